@@ -1,0 +1,1 @@
+"""Shared building blocks of the EAGLE-3 draft training pipeline."""
