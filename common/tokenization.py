@@ -1,0 +1,201 @@
+"""Chat-template tokenization with a loss mask on what the model generated.
+
+`tokenize_conversation` renders a whole conversation with the target tokenizer's own chat
+template and marks with loss_mask=1 exactly the tokens the model produced in its assistant
+turns: the reasoning with its <think>/</think> delimiters, the content and the end-of-turn
+token. System, user and template tokens (role headers, the newline after the end-of-turn
+token) get 0.
+
+It is template-agnostic. For assistant turn i:
+    prefix  = render(messages[:i], add_generation_prompt=True)   # what the model was given
+    through = render(messages[:i + 1])                           # ... plus what it produced
+The assistant span is the characters between the two. Both must be prefixes of the full
+rendering (templates that rewrite earlier turns, e.g. drop old reasoning, break this and get
+a DataError). Characters map to tokens through the fast tokenizer's offset mapping. Within
+the span, everything after the last stop token (eos / generation_config eos ids) is template
+text (Qwen's "\\n" after <|im_end|>) and gets 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Optional
+
+from common.errors import DataError
+
+# Message keys templates use for an assistant's reasoning: current vLLM and our templates
+# read `reasoning`, Qwen3/DeepSeek/Kimi templates read `reasoning_content`. We set both,
+# like vLLM's own chat renderer does.
+REASONING_KEYS = ("reasoning", "reasoning_content")
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The target's fast tokenizer (offset mappings need a fast one)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"cannot load the target tokenizer from '{name_or_path}' ({str(e).splitlines()[0]}); "
+            "set target.tokenizer or target.model to a local model directory"
+        ) from None
+    if not getattr(tok, "is_fast", False):
+        raise DataError(
+            f"the tokenizer at '{name_or_path}' is not a fast tokenizer; loss masks need offset mappings "
+            "(install `tokenizers` and make sure the model ships tokenizer.json)"
+        )
+    if not getattr(tok, "chat_template", None):
+        raise DataError(f"the tokenizer at '{name_or_path}' has no chat_template; the target must ship one")
+    return tok
+
+
+def stop_token_ids(tokenizer, model_dir: Optional[str] = None) -> set[int]:
+    """Token ids that end an assistant turn: the tokenizer's eos plus generation_config's eos ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_dir is not None:
+        gen_cfg = Path(model_dir) / "generation_config.json"
+        if gen_cfg.is_file():
+            try:
+                eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError):
+                eos = None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(i) for i in eos if isinstance(i, int))
+    return ids
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as the template sees them: reasoning under every key templates use."""
+    out = []
+    for m in messages:
+        m = {"role": m["role"], "content": m.get("content") or ""} | {
+            k: v for k, v in m.items() if k not in ("role", "content") and k not in REASONING_KEYS
+        }
+        out.append(m)
+    for src, dst in zip(messages, out):
+        reasoning = next((src[k] for k in REASONING_KEYS if src.get(k)), None)
+        if src["role"] == "assistant" and reasoning:
+            for k in REASONING_KEYS:
+                dst[k] = reasoning
+    return out
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except Exception as e:  # jinja errors (raise_exception in templates) come in many types
+        raise DataError(f"the target's chat template failed to render a conversation: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str):
+        raise DataError(f"the chat template returned {type(text).__name__}, expected a string")
+    return text
+
+
+def _reasoning_of(message: dict) -> str:
+    return next((message[k] for k in REASONING_KEYS if message.get(k)), "") or ""
+
+
+def assistant_char_spans(
+    tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return (text, [(start, end) char span of each assistant turn]).
+
+    Raises DataError when the template breaks the prefix property or drops an assistant's
+    reasoning or content.
+    """
+    template_kwargs = template_kwargs or {}
+    msgs = _template_messages(messages)
+    full = _render(tokenizer, msgs, False, template_kwargs)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, msgs[:i], True, template_kwargs)
+        through = _render(tokenizer, msgs[: i + 1], False, template_kwargs)
+        if not (through.startswith(prefix) and full.startswith(through)):
+            raise DataError(
+                "the target's chat template is not prefix-stable: rendering the conversation up to assistant "
+                f"turn {i} (with add_generation_prompt=True, then through that turn) is not a prefix of the full "
+                "rendering, so the tokens the model generated cannot be located (templates that rewrite earlier "
+                "turns, e.g. drop old reasoning, do this); use data.max_user_turns=1 or a template that renders "
+                "history verbatim"
+            )
+        start, end = len(prefix), len(through)
+        span = full[start:end]
+        reasoning = _reasoning_of(m)
+        if reasoning and reasoning not in span:
+            raise DataError(
+                f"the target's chat template does not render assistant reasoning (message keys {REASONING_KEYS}); "
+                "the mask would miss the reasoning tokens: use a template that renders `reasoning` or "
+                "`reasoning_content`"
+            )
+        if m["content"] and m["content"] not in span:
+            raise DataError("the target's chat template changes the assistant content when rendering it; cannot mask it")
+        spans.append((start, end))
+    return full, spans
+
+
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    max_seq_len: int,
+    overlong: str = "truncate",
+    *,
+    stop_ids: Optional[Iterable[int]] = None,
+    template_kwargs: Optional[dict] = None,
+    stats: Optional[Counter] = None,
+) -> Optional[dict]:
+    """Tokenize one conversation -> {"input_ids", "loss_mask"}, or None when it is skipped.
+
+    overlong: "truncate" keeps the first max_seq_len tokens, "drop" skips the sample.
+    Skips (None) are counted in `stats` (a Counter) under a reason key:
+    empty_assistant (an assistant turn with neither content nor reasoning), no_assistant,
+    dropped_overlong, no_loss_tokens (nothing left to learn after truncation).
+    """
+    stats = stats if stats is not None else Counter()
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if not assistants:
+        stats["no_assistant"] += 1
+        return None
+    if any(not (m.get("content") or "").strip() and not _reasoning_of(m).strip() for m in assistants):
+        stats["empty_assistant"] += 1
+        return None
+
+    text, spans = assistant_char_spans(tokenizer, messages, template_kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(enc["input_ids"])
+    offsets = enc["offset_mapping"]
+    stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
+
+    loss_mask = [0] * len(input_ids)
+    for start, end in spans:
+        # Tokens that begin inside the assistant span.
+        idx = [t for t, (s, e) in enumerate(offsets) if start <= s < end and e > s]
+        # Everything after the last stop token is template text the model never generated.
+        last_stop = max((j for j, t in enumerate(idx) if input_ids[t] in stop_ids), default=None)
+        if last_stop is not None:
+            idx = idx[: last_stop + 1]
+        for t in idx:
+            loss_mask[t] = 1
+
+    if len(input_ids) > max_seq_len:
+        if overlong == "drop":
+            stats["dropped_overlong"] += 1
+            return None
+        input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
+        stats["truncated"] += 1
+    if not any(loss_mask):
+        stats["no_loss_tokens"] += 1
+        return None
+    stats["kept"] += 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
