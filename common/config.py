@@ -80,6 +80,7 @@ class ExtractConfig:
     shard_max_tokens: int = 262144  # tokens per output shard
     device: str = "auto"  # auto | cpu | cuda
     min_free_disk_gb: float = 1.0  # head-room kept free on top of the estimate
+    verify: str = "sha256"  # how a rerun checks existing shards: sha256 (full read) | size (fast, huge runs)
 
 
 @dataclass

@@ -1,0 +1,33 @@
+"""Stage 01: read a chat dataset and write the prompts the pipeline will answer.
+
+Reads data.source (a .jsonl/.json/.parquet file, a directory of them, or a `datasets` hub
+name; ShareGPT or OpenAI shaped rows), keeps the system prompt and the first
+data.max_user_turns user turns of each conversation, drops unusable rows with a counted
+reason, and writes, under run_dir:
+
+  data/prompts.jsonl         {"id", "messages", "split": "train"|"eval"} per prompt
+  data/prepare_report.json   counts read/kept/train/eval, drops by reason, skipped examples
+
+Example:
+  python 01_prepare_data.py --config configs/tiny.yaml --set data.max_samples=100
+"""
+
+from common.cli import stage_main
+
+
+def run(cfg, args) -> int:
+    from common.prepare import output_paths, prepare_prompts, summary_line
+
+    report = prepare_prompts(cfg, overwrite=args.overwrite)
+    prompts_path, _ = output_paths(cfg)
+    if report["status"] == "already_complete":
+        c = report["counts"]
+        print(f"01_prepare_data: already complete ({c['kept']} prompts: {c['train']} train / {c['eval']} eval in {prompts_path}); "
+              f"pass --overwrite to rebuild")
+        return 0
+    print(summary_line(report, prompts_path))
+    return 0
+
+
+if __name__ == "__main__":
+    stage_main("01_prepare_data", __doc__, run)

@@ -1,0 +1,32 @@
+"""Stage 05: measure the trained draft in vLLM: acceptance length, per-position acceptance,
+tokens/s with and without the draft, and whether greedy outputs stay identical.
+
+Serves cfg.target.model with the draft in run_dir/train/final (or --draft DIR) as an EAGLE-3
+speculator (evaluate.num_speculative_tokens draft tokens), sends the first
+evaluate.num_prompts eval-split prompts of data/prompts.jsonl, and reads vLLM's
+spec-decode counters from /metrics before and after. Then serves the target alone with the
+same prompts and sampling (or reuses eval/baseline.json when it matches).
+Writes, under run_dir/eval/: report.json, report.png, outputs.jsonl, baseline.json.
+
+  --baseline-only --base-url URL   measure only the target-alone run on an already running
+                                   server of the target (run_pipeline.py does this on its
+                                   generation server, which saves one server start)
+"""
+
+from common.cli import stage_main
+
+
+def add_arguments(parser):
+    parser.add_argument("--draft", help="draft directory to evaluate (default: run_dir/train/final)")
+    parser.add_argument("--baseline-only", action="store_true", help="only measure the target alone (needs --base-url)")
+    parser.add_argument("--base-url", help="a running vLLM server of the target alone (http://host:port/v1) for the baseline")
+
+
+def run(cfg, args):
+    from common.evaluate import run_stage
+
+    return run_stage(cfg, draft_dir=args.draft, overwrite=args.overwrite, baseline_only=args.baseline_only, base_url=args.base_url)
+
+
+if __name__ == "__main__":
+    stage_main("05_evaluate", __doc__, run, add_arguments)

@@ -1,0 +1,895 @@
+"""Stage 02: run the target over every tokenized sample and store the hidden states EAGLE-3 trains on.
+
+Output (under run_dir/hidden/, the format DESIGN.md fixes), one row per token, samples concatenated:
+    shard-NNNNN.safetensors
+        input_ids       int64 [N]
+        loss_mask       uint8 [N]
+        aux_hidden      [N, n_aux*H_t]  extract.dtype; the aux states concatenated in aux_layer_ids order
+        final_hidden    [N, H_t]        extract.dtype; the final-norm output = input of the target lm_head
+        sample_offsets  int64 [n_samples+1]; sample i is rows offsets[i]:offsets[i+1]
+    index.json   per shard: file, split, sample_ids (in shard order), num_tokens, sha256, bytes; "complete"
+    plan.json    which samples go in which shard, fixed before the first forward pass
+
+Which tensors, and why
+- aux layer id k (vLLM convention) = the residual stream after k decoder layers = the INPUT of decoder
+  layer k = HF output_hidden_states[k] (k = 0 is the embedding output). We capture it with a forward
+  pre-hook on layers[k], which is the same tensor as the output of layer k-1 (or of the embedding when
+  k = 0) and also covers models that scale the embedding before the first layer. vLLM captures exactly
+  this (`llama.py` `_maybe_add_hidden_state(aux, idx + 1, ...)` after layer idx, `deepseek_v2.py` before
+  layer idx), and returns the states in layer order, so ids must be ascending (checked here).
+- final_hidden = output of the final norm = HF output_hidden_states[N] = what the target lm_head reads.
+  04 computes the teacher logits as lm_head(final_hidden) in chunks of positions, with the lm_head read
+  lazily from the target's safetensors (model_loading.load_target_tensors). Storing H_t values instead of
+  V logits per token is 23x smaller for Kimi-K2.5 (7168 vs 163840) and keeps the full-vocab teacher
+  (top-1 outside the draft vocab still masks the position). Storing the pre-norm state instead would make
+  04 also need the final norm weight and eps; the post-norm state is exactly the lm_head input, so 04
+  needs nothing but the lm_head.
+- We run the base model (the decoder stack, e.g. `model.model`), not the CausalLM, so no [T, V] logits
+  are computed, and we never ask for output_hidden_states (that would keep N+1 states of [B, T, H]
+  alive: 61 x 7168 per token for Kimi-K2.5). Hooks copy only the needed states, only at real (unpadded)
+  positions, to CPU in extract.dtype as soon as the layer has produced them.
+
+Batching and memory
+- Samples of one shard are sorted by length (longest first, ties by input order) and packed into
+  right-padded batches with rows * max_len <= extract.batch_max_tokens (a single longer sample gets a
+  batch of its own); the attention mask hides the padding. A batch's results go to CPU immediately;
+  a shard is written when complete, so host memory is bounded by one shard being filled plus one being
+  written (by a background thread, overlapping disk I/O and hashing with the next forward passes).
+  Peak host RAM ~ 2 * shard_max_tokens * bytes_per_token: pick shard_max_tokens accordingly
+  (Kimi-K2.5 bf16: 57,353 B/token, so 65,536 tokens per shard = 3.8 GB per shard).
+
+Resume and integrity
+- plan.json is computed once from the input files (deterministic: train then eval, input order,
+  contiguous runs of samples up to shard_max_tokens) and saved atomically before any shard. Resume works
+  at shard granularity and reproduces the same batches, so on CPU a resumed run writes byte-identical
+  shards. Shards are written to a temp name and renamed (common.io.atomic_path); the index is
+  rewritten atomically after every shard with the shard's sha256 (computed while writing).
+- On rerun every indexed shard is verified (extract.verify: sha256, or size for huge runs); a missing,
+  truncated or corrupted shard is reported and recomputed. A shard file that exists but is not in the
+  index (killed between rename and index update) is recomputed. Changed inputs or settings are a clear
+  error that suggests --overwrite.
+
+Placement and multi-GPU
+- Single process: extract.device (auto = cuda if available, else cpu). target.device_map "auto" puts the
+  model on one GPU if its weights fit in 90% of that GPU's memory, else shards it over all visible GPUs
+  with transformers device_map="auto" (layers on different GPUs, run one after the other: it works for
+  any size that fits the node, at 1/num_gpus utilisation). Any other value ("balanced", "sequential")
+  is passed to transformers as is.
+- torchrun (WORLD_SIZE > 1): data parallel, one full model copy per GPU (cuda:LOCAL_RANK). Rank 0 does
+  the setup (plan, verification, disk check) and broadcasts it over a gloo process group; shard k goes
+  to rank k % world_size; each rank writes its shards and an index fragment (index.rank-RRRRR.json,
+  atomic); rank 0 merges the fragments into index.json after each of its shards and once more after
+  the final barrier (the merge is a pure function of the fragments, so it is idempotent).
+
+vLLM's own hidden-state extraction (evaluated for vllm 0.32.0; not used here)
+- vLLM has a speculative method "extract_hidden_states" (vllm/v1/spec_decode/extract_hidden_states.py,
+  model_executor/models/extract_hidden_states.py) plus the KV connector ExampleHiddenStatesConnector
+  (distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py). With
+  speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}} and
+  kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+  "kv_connector_extra_config": {"shared_storage_path": DIR}}, the target runs with the EAGLE-3 aux
+  outputs switched on (same boundary convention as above, and id N is allowed = the PRE-norm state after
+  the last layer), a cache-only "attention" layer stores the stacked [T, n_ids, H] states in a
+  dedicated KV-cache group, and on request finish the connector writes DIR/<req_id>.safetensors with
+  "hidden_states" [T, n_ids, H] and "token_ids". Generate with max_tokens=1 per sample.
+- Why not here: (1) it is CUDA-only: the connector uses torch.cuda.Stream/Event and pinned memory, so it
+  cannot run on the CPU build the tests use; (2) the connector refuses MLA verifiers ("MLA verifiers are
+  unsupported": HiddenStateCacheSpec subclasses MLAAttentionSpec and cannot be isolated in its own KV
+  cache group next to MLA layers), and Kimi-K2.5 / DeepSeek-V3 are MLA, which is the target that would
+  need it; (3) it writes one file per request and is labelled an example/debug connector.
+- It is nevertheless the right tool once MLA is supported, because vLLM runs the 1T MLA/MoE target with
+  tensor/expert parallelism across 8 GPUs at full utilisation, where transformers device_map="auto"
+  runs the layers one GPU at a time. Precisely: serve with ids = aux_layer_ids + [N]; for each sample
+  request prompt_token_ids = input_ids, max_tokens = 1; load the file, aux_hidden =
+  hidden_states[:, :n_aux].reshape(T, n_aux * H); final_hidden = RMSNorm(hidden_states[:, n_aux]) with
+  the target's model.norm weight and rms_norm_eps (computed in fp32, cast to extract.dtype), because
+  vLLM's id N is pre-norm while our final_hidden is post-norm; then feed the rows to the same shard
+  writer (`write_shard`) in plan order. The features are the same tensors (tests/test_extract_vllm.py
+  checks the boundary convention against vLLM's own capture within bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from common.errors import ConfigError, DataError, PipelineError
+from common.io import atomic_path, atomic_write_json, read_json
+
+log = logging.getLogger("extract")
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+INDEX_NAME = "index.json"
+PLAN_NAME = "plan.json"
+ID_MASK_BYTES = 8 + 1  # int64 input_ids + uint8 loss_mask per token
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def fragment_name(rank: int) -> str:
+    return f"index.rank-{rank:05d}.json"
+
+
+def dtype_bytes(name: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: the aux states, the final state, input id and loss mask."""
+    return (num_aux + 1) * hidden_size * dtype_bytes(dtype) + ID_MASK_BYTES
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: one pass over train.jsonl / eval.jsonl validates every sample and records where it is.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampleRef:
+    id: str
+    length: int
+    position: int  # line order within its split
+
+
+@dataclass
+class SplitScan:
+    split: str
+    path: Path
+    sha256: str
+    samples: list[SampleRef]
+    line_offsets: list[int]  # byte offset of each sample's line, plus the file size at the end
+
+
+def parse_sample(line: bytes, path: Path, lineno: int) -> dict:
+    """Parse and check one tokenized line: {"id": str, "input_ids": [int], "loss_mask": [0|1]}."""
+    try:
+        row = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}:{lineno}: malformed JSONL line ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
+    if not isinstance(row, dict) or "input_ids" not in row or "loss_mask" not in row or "id" not in row:
+        raise DataError(f"{path}:{lineno}: expected an object with id, input_ids and loss_mask; rerun 01b_generate_synthetic.py")
+    sid, ids, mask = str(row["id"]), row["input_ids"], row["loss_mask"]
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise DataError(f"sample '{sid}' ({path}:{lineno}): input_ids and loss_mask must be lists of the same length")
+    if not ids:
+        raise DataError(f"sample '{sid}' ({path}:{lineno}) has no tokens; remove it or rerun 01b_generate_synthetic.py")
+    return {"id": sid, "input_ids": ids, "loss_mask": mask}
+
+
+def check_sample(sample: dict, vocab_size: int, max_positions: int | None, model: str) -> None:
+    sid, ids = sample["id"], sample["input_ids"]
+    hi, lo = max(ids), min(ids)
+    if hi >= vocab_size or lo < 0:
+        bad = hi if hi >= vocab_size else lo
+        raise DataError(
+            f"sample '{sid}' has token id {bad}, outside the target vocab [0, {vocab_size}) of '{model}': "
+            f"the data was tokenized with a different tokenizer; rerun 01b_generate_synthetic.py with the target's tokenizer"
+        )
+    if max_positions is not None and len(ids) > max_positions:
+        raise DataError(
+            f"sample '{sid}' has {len(ids)} tokens, more than the target's max_position_embeddings {max_positions}; "
+            f"lower tokenize.max_seq_len and rerun 01b_generate_synthetic.py"
+        )
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def scan_split(path: Path, split: str, vocab_size: int, max_positions: int | None, model: str) -> SplitScan:
+    h = hashlib.sha256()
+    samples, offsets = [], []
+    pos = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            h.update(line)
+            start, pos = pos, pos + len(line)
+            if not line.strip():
+                continue
+            row = parse_sample(line, path, lineno)
+            check_sample(row, vocab_size, max_positions, model)
+            offsets.append(start)
+            samples.append(SampleRef(row["id"], len(row["input_ids"]), len(samples)))
+    offsets.append(pos)
+    return SplitScan(split, path, h.hexdigest(), samples, offsets)
+
+
+def input_paths(run_dir: Path) -> dict[str, Path]:
+    data = run_dir / "data"
+    train = data / "train.jsonl"
+    if not train.is_file():
+        raise DataError(f"{train} not found; run 01b_generate_synthetic.py first (it writes data/train.jsonl and data/eval.jsonl)")
+    paths = {"train": train}
+    if (data / "eval.jsonl").is_file():
+        paths["eval"] = data / "eval.jsonl"
+    return paths
+
+
+def input_fingerprint(paths: dict[str, Path]) -> dict[str, str]:
+    return {split: file_sha256(p) for split, p in paths.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: which samples go in which shard, in which order. Fixed before the first forward pass.
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_order(samples: list[SampleRef]) -> list[SampleRef]:
+    """Longest first (padding is limited and the largest batch, the likeliest OOM, comes first)."""
+    return sorted(samples, key=lambda s: (-s.length, s.position))
+
+
+def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int) -> list[dict]:
+    """Cut each split, in input order, into runs of samples with at most shard_max_tokens tokens."""
+    shards: list[dict] = []
+
+    def close(scan: SplitScan, run: list[SampleRef]) -> None:
+        first, last = run[0].position, run[-1].position
+        shards.append({
+            "file": shard_name(len(shards)),
+            "split": scan.split,
+            "byte_start": scan.line_offsets[first],
+            "byte_end": scan.line_offsets[last + 1],
+            "num_samples": len(run),
+            "num_tokens": sum(s.length for s in run),
+            "sample_ids": [s.id for s in shard_order(run)],
+        })
+
+    for scan in scans:
+        run, tokens = [], 0
+        for s in scan.samples:
+            if run and tokens + s.length > shard_max_tokens:
+                close(scan, run)
+                run, tokens = [], 0
+            run.append(s)
+            tokens += s.length
+        if run:
+            close(scan, run)
+    return shards
+
+
+def read_shard_samples(path: Path, shard: dict) -> list[dict]:
+    """The shard's samples from the input file, in shard order (as the plan lists them)."""
+    with open(path, "rb") as f:
+        f.seek(shard["byte_start"])
+        data = f.read(shard["byte_end"] - shard["byte_start"])
+    rows = [parse_sample(line, path, 0) for line in data.split(b"\n") if line.strip()]
+    refs = shard_order([SampleRef(r["id"], len(r["input_ids"]), i) for i, r in enumerate(rows)])
+    ordered = [rows[r.position] for r in refs]
+    if [r["id"] for r in ordered] != shard["sample_ids"]:
+        raise DataError(f"{path} changed since hidden/plan.json was made; rerun 02_extract_hidden.py with --overwrite")
+    return ordered
+
+
+def make_batches(lengths: list[int], batch_max_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) row ranges over samples sorted longest first, rows * max_len <= budget."""
+    batches, i = [], 0
+    while i < len(lengths):
+        rows = max(1, batch_max_tokens // lengths[i])
+        batches.append((i, min(len(lengths), i + rows)))
+        i += rows
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# The target model and the hooks that capture the aux and final states.
+# ---------------------------------------------------------------------------------------------
+
+
+def find_decoder_stack(model, num_layers: int):
+    """The module that holds `layers` (N decoder layers) and the final `norm`, e.g. model.model.
+
+    Multimodal wrappers (Kimi-K2.5) nest it deeper (language_model.model); take the shortest path.
+    """
+    import torch.nn as nn
+
+    found = []
+    for name, module in model.named_modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers and isinstance(getattr(module, "norm", None), nn.Module):
+            found.append((name.count("."), len(name), name, module))
+    if not found:
+        raise DataError(
+            f"cannot find the decoder stack (a module with {num_layers} `layers` and a final `norm`) in "
+            f"{type(model).__name__}; this model family is not supported by 02_extract_hidden.py"
+        )
+    return min(found, key=lambda t: t[:3])[3]
+
+
+class HiddenStateCapture:
+    """Forward hooks that copy the aux states (inputs of layers[k]) and the final norm output.
+
+    Before each forward pass call `expect(valid_index)` with the flat [B*T] indices of the real
+    tokens; after it, `take()` returns {"aux": [n, n_aux*H], "final": [n, H]} on CPU.
+    """
+
+    def __init__(self, stack, aux_layer_ids: list[int], out_dtype):
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.out_dtype = out_dtype
+        self._index_cpu = None
+        self._index_on: dict = {}
+        self._aux: dict[int, Any] = {}
+        self._final = None
+        self._handles = []
+        for k in self.aux_layer_ids:
+            self._handles.append(stack.layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True))
+        self._handles.append(stack.norm.register_forward_hook(self._norm_hook))
+
+    def _select(self, hidden):
+        if hidden.device not in self._index_on:
+            self._index_on[hidden.device] = self._index_cpu.to(hidden.device)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return flat.index_select(0, self._index_on[hidden.device]).to(self.out_dtype).to("cpu")
+
+    def _pre_hook(self, k: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._aux[k] = self._select(hidden)
+        return hook
+
+    def _norm_hook(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        self._final = self._select(hidden)
+
+    def expect(self, valid_index) -> None:
+        self._index_cpu, self._index_on = valid_index, {}
+        self._aux, self._final = {}, None
+
+    def take(self) -> dict:
+        import torch
+
+        missing = [k for k in self.aux_layer_ids if k not in self._aux]
+        if missing or self._final is None:
+            raise PipelineError(f"hooks did not fire for aux layers {missing} / final norm; the model's forward is not supported")
+        out = {"aux": torch.cat([self._aux[k] for k in self.aux_layer_ids], dim=1), "final": self._final}
+        self._aux, self._final = {}, None
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def pad_batch(samples: list[dict]):
+    """Right-padded input_ids and attention mask, and the flat indices of the real tokens."""
+    import torch
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    width = max(lengths)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : lengths[i]] = torch.tensor(s["input_ids"], dtype=torch.long)
+        mask[i, : lengths[i]] = 1
+    valid_index = mask.reshape(-1).nonzero().squeeze(1)  # row-major = samples concatenated in order
+    return ids, mask, valid_index
+
+
+def input_device(stack):
+    embed = getattr(stack, "embed_tokens", None)
+    module = embed if embed is not None else stack
+    return next(module.parameters()).device
+
+
+def forward_batch(stack, capture: HiddenStateCapture, samples: list[dict]) -> dict:
+    import torch
+
+    ids, mask, valid_index = pad_batch(samples)
+    device = input_device(stack)
+    capture.expect(valid_index)
+    with torch.inference_mode():
+        stack(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    return capture.take()
+
+
+def choose_device(cfg) -> str:
+    import torch
+
+    want = cfg.extract.device
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("extract.device is 'cuda' but no CUDA device is visible; use --set extract.device=cpu")
+    if want not in ("cpu", "cuda"):
+        raise ConfigError(f"extract.device must be auto, cpu or cuda, got '{want}'")
+    return want
+
+
+def weights_bytes(model_path: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_path, "*.safetensors")))
+
+
+def load_target_model(cfg, device: str, local_rank: int = 0, world_size: int = 1):
+    """The target as AutoModelForCausalLM in cfg.target.dtype, placed as target.device_map says."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.model_loading import torch_dtype
+
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(cfg.target.dtype), "trust_remote_code": cfg.target.trust_remote_code}
+    placement = "cpu"
+    if device == "cuda":
+        device_map = cfg.target.device_map
+        one_gpu = f"cuda:{local_rank}"
+        if world_size > 1:
+            if device_map not in ("auto", "single"):
+                raise ConfigError(f"target.device_map '{device_map}' shards one model over the GPUs; run it as one process, not under torchrun")
+            placement = one_gpu
+        elif device_map == "auto":
+            fits = weights_bytes(cfg.target.model) < 0.9 * torch.cuda.get_device_properties(0).total_memory
+            placement = one_gpu if fits or torch.cuda.device_count() == 1 else "auto"
+        else:
+            placement = one_gpu if device_map == "single" else device_map
+        torch.cuda.set_device(local_rank)
+    if placement != "cpu" and not placement.startswith("cuda:"):
+        kwargs["device_map"] = placement  # sharded over the visible GPUs
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.target.model, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load target.model '{cfg.target.model}': {str(e).splitlines()[0]}") from None
+    if "device_map" not in kwargs:
+        model.to(placement)
+    model.eval()
+    return model, placement
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing shards: a streaming safetensors writer that hashes while it writes.
+# ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"int64": "I64", "uint8": "U8", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, list]]) -> tuple[str, int]:
+    """Write [(name, [chunk, ...])] as one safetensors file, each tensor = its chunks along dim 0.
+
+    Streams chunk by chunk (no concatenated copy of a multi-GB shard) and returns (sha256, size).
+    Loadable by safetensors.safe_open / load_file; byte-identical for identical inputs.
+    """
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, chunks in tensors:
+        first = chunks[0]
+        rows = sum(c.shape[0] for c in chunks)
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        header[name] = {"dtype": _ST_DTYPES[str(first.dtype).replace("torch.", "")], "shape": [rows, *first.shape[1:]],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for block in (struct.pack("<Q", len(text)), text):
+            f.write(block)
+            digest.update(block)
+        for _, chunks in tensors:
+            for c in chunks:
+                raw = c.contiguous().view(torch.uint8).numpy()  # reinterpret (bf16 has no numpy dtype)
+                f.write(raw.data)
+                digest.update(raw.data)
+        f.flush()
+    return digest.hexdigest(), 8 + len(text) + offset
+
+
+def write_shard(final_path: Path, samples: list[dict], batches: list[dict]) -> dict:
+    """Write one shard atomically from its samples (shard order) and their per-batch states."""
+    import torch
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int64)
+    loss_mask = torch.tensor([int(m) for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
+    tensors = [
+        ("input_ids", [input_ids]),
+        ("loss_mask", [loss_mask]),
+        ("aux_hidden", [b["aux"] for b in batches]),
+        ("final_hidden", [b["final"] for b in batches]),
+        ("sample_offsets", [offsets]),
+    ]
+    rows = sum(b["aux"].shape[0] for b in batches)
+    if rows != int(offsets[-1]):
+        raise PipelineError(f"internal error: {rows} hidden-state rows for {int(offsets[-1])} tokens in {final_path.name}")
+    with atomic_path(final_path) as tmp:
+        sha, size = write_safetensors(tmp, tensors)
+    return {"sha256": sha, "bytes": size, "num_loss_tokens": int(loss_mask.sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Index: entries per shard, merged from index.json and per-rank fragments; verification.
+# ---------------------------------------------------------------------------------------------
+
+
+def read_entries(hidden_dir: Path) -> dict[str, dict]:
+    """Shard entries recorded so far, from index.json and any rank fragments (union by file)."""
+    entries: dict[str, dict] = {}
+    sources = [hidden_dir / INDEX_NAME] + sorted(hidden_dir.glob("index.rank-*.json"))
+    for src in sources:
+        if not src.is_file():
+            continue
+        try:
+            doc = json.loads(src.read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            log.warning("%s is unreadable; the shards it listed will be verified again or recomputed", src)
+            continue
+        for e in doc.get("shards", []):
+            entries[e["file"]] = e
+    return entries
+
+
+def verify_entry(hidden_dir: Path, entry: dict, mode: str) -> str | None:
+    """None if the shard on disk matches its entry, else why not."""
+    path = hidden_dir / entry["file"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"size {size} != {entry.get('bytes')} bytes (truncated or overwritten)"
+    if mode == "sha256" and file_sha256(path) != entry["sha256"]:
+        return "sha256 mismatch (corrupted)"
+    return None
+
+
+def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict]) -> dict:
+    shards = [entries[s["file"]] for s in plan_shards if s["file"] in entries]
+    complete = len(shards) == len(plan_shards)
+    splits = {}
+    for split in SPLITS:
+        mine = [s for s in shards if s["split"] == split]
+        splits[split] = {"num_shards": len(mine), "num_samples": sum(s["num_samples"] for s in mine),
+                         "num_tokens": sum(s["num_tokens"] for s in mine)}
+    return {**header, "complete": complete, "num_shards": len(shards), "num_planned_shards": len(plan_shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards), "num_samples": sum(s["num_samples"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
+
+
+def load_index(hidden_dir: str | os.PathLike) -> dict:
+    """The finished index; raises DataError if extraction is not complete (for 04)."""
+    path = Path(hidden_dir) / INDEX_NAME
+    index = read_json(path)
+    if not index.get("complete"):
+        raise DataError(f"{path} says extraction is incomplete; rerun 02_extract_hidden.py to finish it")
+    return index
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk space
+# ---------------------------------------------------------------------------------------------
+
+
+def check_disk_space(hidden_dir: Path, needed: int, min_free_gb: float, disk_usage: Callable = shutil.disk_usage) -> None:
+    free = disk_usage(hidden_dir).free
+    usable = free - int(min_free_gb * 1e9)
+    if needed > usable:
+        raise DataError(
+            f"not enough disk space in {hidden_dir}: need {format_bytes(needed)}, free {format_bytes(free)} "
+            f"minus extract.min_free_disk_gb={min_free_gb:g} GB leaves {format_bytes(max(usable, 0))}; "
+            f"{format_bytes(needed - max(usable, 0))} missing: free space, move run_dir, or lower extract.dtype precision"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed helpers (torchrun). Single process: no process group at all.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Dist":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+    def init(self) -> None:
+        if self.world_size > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
+            dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+
+    def broadcast(self, obj):
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+
+def _settings(cfg, info) -> dict:
+    return {
+        "aux_layer_ids": list(info.aux_layer_ids),
+        "num_target_layers": info.num_layers,
+        "target_hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size,
+        "model_type": info.model_type,
+        "target_dtype": cfg.target.dtype,
+        "dtype": cfg.extract.dtype,
+        "shard_max_tokens": cfg.extract.shard_max_tokens,
+    }
+
+
+def _header(cfg, info, plan: dict) -> dict:
+    s = plan["settings"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "aux_layer_ids": s["aux_layer_ids"],
+        "num_target_layers": s["num_target_layers"],
+        "target_hidden_size": s["target_hidden_size"],
+        "vocab_size": s["vocab_size"],
+        "model_type": s["model_type"],
+        "dtype": s["dtype"],
+        "target_dtype": s["target_dtype"],
+        "target_model": cfg.target.model,
+        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"]),
+        "inputs": plan["inputs"],
+    }
+
+
+def _validate_aux_ids(ids: list[int]) -> None:
+    if list(ids) != sorted(ids):
+        raise ConfigError(
+            f"target.aux_layer_ids = {ids} is not ascending; vLLM hands the draft the aux states in layer order, "
+            f"so list them ascending, e.g. {sorted(ids)}"
+        )
+
+
+def _max_positions(info) -> int | None:
+    value = getattr(info.text_config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
+    """Rank 0's setup: plan (new or checked), verification of existing shards, disk check.
+
+    Returns {"status": "complete"|"todo", "plan", "entries", "todo": [shard files], ...}.
+    """
+    paths = input_paths(Path(cfg.run_dir))
+    if overwrite and hidden_dir.exists():
+        for p in list(hidden_dir.glob("shard-*.safetensors")) + list(hidden_dir.glob(".tmp-*")) + \
+                list(hidden_dir.glob("index*.json")) + [hidden_dir / PLAN_NAME]:
+            p.unlink(missing_ok=True)
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    for tmp in hidden_dir.glob(".tmp-*"):  # left by a killed run; never visible under a final name
+        tmp.unlink(missing_ok=True)
+
+    settings = _settings(cfg, info)
+    plan_path = hidden_dir / PLAN_NAME
+    if plan_path.is_file():
+        plan = read_json(plan_path)
+        fingerprint = input_fingerprint(paths)
+        old = {k: v["sha256"] for k, v in plan["inputs"].items()}
+        if old != fingerprint:
+            changed = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+            raise DataError(
+                f"the tokenized inputs changed since extraction started ({', '.join(f'data/{c}.jsonl' for c in changed)} differ "
+                f"from hidden/plan.json); rerun 02_extract_hidden.py with --overwrite to extract them again"
+            )
+        diff = {k: (plan["settings"].get(k), v) for k, v in settings.items() if plan["settings"].get(k) != v}
+        if diff:
+            what = "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+            raise ConfigError(f"settings changed since extraction started ({what}); rerun 02_extract_hidden.py with --overwrite")
+        if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
+            log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
+                        "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
+    else:
+        max_pos = _max_positions(info)
+        scans = [scan_split(p, split, info.vocab_size, max_pos, cfg.target.model) for split, p in paths.items()]
+        if not scans[0].samples:
+            raise DataError(f"{paths['train']} has no samples; rerun 01b_generate_synthetic.py")
+        ids = [s.id for scan in scans for s in scan.samples]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise DataError(f"sample id '{dup}' appears more than once in data/train.jsonl + data/eval.jsonl; ids must be unique")
+        plan = {
+            "format_version": FORMAT_VERSION,
+            "settings": settings,
+            "batch_max_tokens": cfg.extract.batch_max_tokens,
+            "inputs": {scan.split: {"file": f"data/{scan.path.name}", "sha256": scan.sha256, "num_samples": len(scan.samples),
+                                    "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
+            "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens),
+        }
+        atomic_write_json(plan_path, plan)
+
+    # What is already done and sound?
+    entries = read_entries(hidden_dir)
+    planned = {s["file"] for s in plan["shards"]}
+    good: dict[str, dict] = {}
+    for name, entry in sorted(entries.items()):
+        if name not in planned:
+            continue
+        problem = verify_entry(hidden_dir, entry, cfg.extract.verify)
+        if problem:
+            print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
+        else:
+            good[name] = entry
+    todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
+    header = _header(cfg, info, plan)
+    if not todo:
+        index = build_index(header, plan["shards"], good)
+        if not (hidden_dir / INDEX_NAME).is_file() or read_json(hidden_dir / INDEX_NAME) != index:
+            atomic_write_json(hidden_dir / INDEX_NAME, index)
+        for frag in hidden_dir.glob("index.rank-*.json"):
+            frag.unlink(missing_ok=True)
+        return {"status": "complete", "plan": plan, "entries": good, "todo": [], "header": header}
+
+    # Disk: what the remaining shards need, before any forward pass.
+    per_token = header["bytes_per_token"]
+    shards_by_name = {s["file"]: s for s in plan["shards"]}
+    tokens = sum(shards_by_name[f]["num_tokens"] for f in todo)
+    needed = tokens * per_token + sum(8 * (shards_by_name[f]["num_samples"] + 1) + 1024 for f in todo)
+    s = plan["settings"]
+    print(f"02_extract_hidden: {len(todo)}/{len(plan['shards'])} shards to write, {tokens:,} tokens x {per_token:,} B/token "
+          f"(({len(s['aux_layer_ids'])} aux + final) x H {s['target_hidden_size']} x {dtype_bytes(s['dtype'])} B + 9 B ids/mask) "
+          f"= {format_bytes(needed)} needed", flush=True)
+    check_disk_space(hidden_dir, needed, cfg.extract.min_free_disk_gb)
+    atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], good))
+    return {"status": "todo", "plan": plan, "entries": good, "todo": todo, "header": header}
+
+
+def run_extraction(cfg, overwrite: bool = False) -> dict:
+    """Extract all planned shards (this rank's share under torchrun). Returns a summary dict."""
+    from common.model_loading import load_target_info, torch_dtype
+
+    if cfg.extract.verify not in ("sha256", "size"):
+        raise ConfigError(f"extract.verify must be sha256 or size, got '{cfg.extract.verify}'")
+    input_paths(Path(cfg.run_dir))  # a missing train.jsonl is reported before any heavy import
+    info = load_target_info(cfg)
+    _validate_aux_ids(info.aux_layer_ids)
+    hidden_dir = Path(cfg.run_dir) / "hidden"
+    dist = Dist.from_env()
+    dist.init()
+    try:
+        setup: dict | str
+        try:
+            setup = prepare(cfg, info, hidden_dir, overwrite) if dist.rank == 0 else None
+        except PipelineError as e:
+            setup = f"{type(e).__name__}:{e}"
+            if dist.world_size == 1:
+                raise
+        setup = dist.broadcast(setup)
+        if isinstance(setup, str):  # rank 0 failed; every rank reports the same one-line error
+            kind, msg = setup.split(":", 1)
+            raise {"ConfigError": ConfigError, "DataError": DataError}.get(kind, PipelineError)(msg)
+        plan, header = setup["plan"], setup["header"]
+        if setup["status"] == "complete":
+            index = build_index(header, plan["shards"], setup["entries"])
+            if dist.rank == 0:
+                print(f"02_extract_hidden: already complete ({index['num_shards']} shards, {index['num_tokens']:,} tokens, "
+                      f"{format_bytes(index['bytes'])}) in {hidden_dir}; use --overwrite to redo", flush=True)
+            return {"status": "complete", **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
+
+        mine = [f for f in setup["todo"] if int(f[len("shard-"):-len(".safetensors")]) % dist.world_size == dist.rank]
+        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], dist, torch_dtype(cfg.extract.dtype))
+        dist.barrier()
+        if dist.rank == 0:
+            entries = read_entries(hidden_dir)
+            index = build_index(header, plan["shards"], entries)
+            atomic_write_json(hidden_dir / INDEX_NAME, index)
+            if index["complete"]:
+                for frag in hidden_dir.glob("index.rank-*.json"):
+                    frag.unlink(missing_ok=True)
+            print(f"02_extract_hidden: {'done' if index['complete'] else 'INCOMPLETE'}: {index['num_shards']}/{index['num_planned_shards']} "
+                  f"shards, {index['num_tokens']:,} tokens (train {index['splits']['train']['num_samples']} / eval "
+                  f"{index['splits']['eval']['num_samples']} samples), {format_bytes(index['bytes'])} in {hidden_dir}; "
+                  f"this run: {summary['tokens']:,} tokens in {summary['seconds']:.1f} s = {summary['tokens_per_s']:,.0f} tok/s, "
+                  f"{format_bytes(summary['bytes'])} written", flush=True)
+            summary["complete"] = index["complete"]
+        return summary
+    finally:
+        dist.close()
+
+
+def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
+                    dist: Dist, out_dtype) -> dict:
+    from tqdm import tqdm
+
+    device = choose_device(cfg)
+    model, placement = load_target_model(cfg, device, dist.local_rank, dist.world_size)
+    stack = find_decoder_stack(model, info.num_layers)
+    capture = HiddenStateCapture(stack, info.aux_layer_ids, out_dtype)
+    paths = {split: Path(cfg.run_dir) / "data" / f"{split}.jsonl" for split in plan["inputs"]}
+    shards = {s["file"]: s for s in plan["shards"]}
+    batch_max_tokens = cfg.extract.batch_max_tokens
+    entries = dict(done)  # this process's view; rank 0 also sees the others' fragments when merging
+    my_entries: dict[str, dict] = {}
+    stats = {"tokens": 0, "bytes": 0}
+    total = sum(shards[f]["num_tokens"] for f in mine)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr,
+               desc="extract" if dist.world_size == 1 else f"extract[rank {dist.rank}]")
+    log.info("target on %s; %d shards for this process", placement, len(mine))
+
+    def finish(name: str, samples: list[dict], batches: list[dict]) -> None:
+        # Runs in the writer thread: write the shard, then record it (index only after the rename).
+        shard = shards[name]
+        written = write_shard(hidden_dir / name, samples, batches)
+        entry = {"file": name, "split": shard["split"], "num_samples": shard["num_samples"],
+                 "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
+        my_entries[name] = entry
+        entries[name] = entry
+        if dist.world_size > 1:
+            atomic_write_json(hidden_dir / fragment_name(dist.rank), {"rank": dist.rank, "shards": list(my_entries.values())})
+        if dist.rank == 0:
+            merged = {**read_entries(hidden_dir), **entries} if dist.world_size > 1 else entries
+            atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], merged))
+        stats["bytes"] += written["bytes"]
+        bar.set_postfix_str(f"{stats['bytes'] / 1e9:.2f} GB written", refresh=False)
+
+    start = time.perf_counter()
+    pending = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        try:
+            for name in mine:
+                shard = shards[name]
+                samples = read_shard_samples(paths[shard["split"]], shard)
+                lengths = [len(s["input_ids"]) for s in samples]
+                batches = []
+                for lo, hi in make_batches(lengths, batch_max_tokens):
+                    batches.append(forward_batch(stack, capture, samples[lo:hi]))
+                    bar.update(sum(lengths[lo:hi]))
+                    stats["tokens"] += sum(lengths[lo:hi])
+                if pending is not None:
+                    pending.result()  # at most one shard waiting to be written: bounded memory
+                pending = writer.submit(finish, name, samples, batches)
+            if pending is not None:
+                pending.result()
+        finally:
+            bar.close()
+            capture.remove()
+    seconds = time.perf_counter() - start
+    return {"status": "extracted", "tokens": stats["tokens"], "bytes": stats["bytes"], "seconds": seconds,
+            "tokens_per_s": stats["tokens"] / max(seconds, 1e-9), "shards": len(mine)}

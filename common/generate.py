@@ -1,0 +1,712 @@
+"""Stage 01b: regenerate the assistant turns with the target itself, then tokenize them.
+
+Training an EAGLE-3 draft on the target's own outputs (not the dataset's answers) is what
+makes the draft agree with the target at serving time. This module drives an
+OpenAI-compatible server (vLLM) with many concurrent requests and turns the results into
+tokenized training samples.
+
+Guarantees (DESIGN.md):
+- every prompt id ends in data/raw_responses.jsonl exactly once, or in data/failed.jsonl
+  with a reason; a rerun skips the done ids and retries the failed ones;
+- a line is appended once per id and only in one synchronous write, so a kill at any
+  moment leaves at most a torn last line (cut off on the next start), never a duplicate;
+- SIGINT/SIGTERM stop new requests, cancel the in-flight ones, flush, and exit 130;
+- retries with exponential backoff and full jitter for timeouts, connection errors, 429,
+  5xx and malformed responses; other 4xx fail at once (retrying cannot fix them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from common.config import Config, api_key_from_env
+from common.errors import DataError, PipelineError
+from common.io import (
+    JsonlAppender,
+    atomic_write_json,
+    iter_jsonl,
+    read_json,
+    truncate_torn_tail,
+    write_jsonl_atomic,
+)
+
+log = logging.getLogger("generate")
+
+# A string whose tokenization must agree between our tokenizer and the served model's.
+TOKENIZER_PROBE = "Hello, world! 12345 <think>\nLet me think: ünïcödé, 漢字, emoji 🙂.\n</think>\n\nDone.<|im_end|>"
+
+
+@dataclass
+class Paths:
+    prompts: Path
+    raw: Path
+    failed: Path
+    train: Path
+    eval: Path
+    report: Path
+
+    @classmethod
+    def of(cls, cfg: Config) -> "Paths":
+        data = cfg.run_path / "data"
+        return cls(
+            prompts=data / "prompts.jsonl",
+            raw=data / "raw_responses.jsonl",
+            failed=data / "failed.jsonl",
+            train=data / "train.jsonl",
+            eval=data / "eval.jsonl",
+            report=data / "generate_report.json",
+        )
+
+    def outputs(self) -> list[Path]:
+        return [self.raw, self.failed, self.train, self.eval, self.report]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_prompts(path: Path) -> tuple[list[dict], int]:
+    """prompts.jsonl -> (prompts in file order with unique ids, number of duplicate ids dropped)."""
+    if not path.is_file():
+        raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
+    prompts, seen, dupes = [], set(), 0
+    for row in iter_jsonl(path):
+        pid, messages = row.get("id"), row.get("messages")
+        if not isinstance(pid, str) or not isinstance(messages, list) or not messages:
+            raise DataError(f"{path}: a row lacks a string 'id' or a non-empty 'messages' list (id={pid!r}); rerun 01_prepare_data.py --overwrite")
+        if pid in seen:
+            dupes += 1
+            continue
+        seen.add(pid)
+        prompts.append(row)
+    if not prompts:
+        raise DataError(f"{path} holds no prompts; check data.source and rerun 01_prepare_data.py --overwrite")
+    return prompts, dupes
+
+
+def load_done(path: Path) -> tuple[dict[str, dict], int]:
+    """raw_responses.jsonl -> ({id: row} keeping the first row per id, duplicate rows seen).
+
+    Cut a torn tail first: a complete JSON object without its newline would otherwise be
+    read as done here and then removed by the appender.
+    """
+    if not path.exists():
+        return {}, 0
+    truncate_torn_tail(path)
+    done, dupes = {}, 0
+    for row in iter_jsonl(path, tolerate_torn_tail=True, strict=False):
+        pid = row.get("id")
+        if not isinstance(pid, str):
+            continue
+        if pid in done:
+            dupes += 1
+            continue
+        done[pid] = row
+    return done, dupes
+
+
+def load_failed(path: Path) -> dict[str, dict]:
+    """failed.jsonl -> {id: the latest failure record}."""
+    if not path.exists():
+        return {}
+    return {r["id"]: r for r in iter_jsonl(path, tolerate_torn_tail=True, strict=False) if isinstance(r.get("id"), str)}
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class MalformedResponse(Exception):
+    """The server answered 200 but not with a usable chat completion."""
+
+
+@dataclass
+class Failure:
+    reason: str
+    error_type: str
+    status_code: Optional[int]
+    retryable: bool
+    retry_after: Optional[float] = None
+
+
+def classify(exc: BaseException) -> Failure:
+    """Which errors are worth retrying: transient server or network trouble, yes; a request
+    the server rejects as invalid (400, 401, 404, ...), no."""
+    import openai
+
+    msg = " ".join(str(exc).split())[:500]
+    name = type(exc).__name__
+    if isinstance(exc, openai.APIStatusError):
+        code = exc.status_code
+        retry_after = None
+        try:
+            retry_after = float(exc.response.headers.get("retry-after"))
+        except (TypeError, ValueError):
+            pass
+        retryable = code == 429 or code >= 500
+        return Failure(f"{name}: {msg}", name, code, retryable, retry_after)
+    if isinstance(exc, (openai.APIConnectionError, MalformedResponse, ValueError, openai.APIResponseValidationError)):
+        # APITimeoutError is an APIConnectionError; ValueError covers bodies that are not JSON.
+        return Failure(f"{name}: {msg}", name, None, True)
+    # Anything else is unexpected: retry it too, and record it if it persists.
+    return Failure(f"{name}: {msg}", name, None, True)
+
+
+def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
+    """Exponential backoff with full jitter: uniform(0, min(cap, initial * 2**(attempt-1)))."""
+    return rng.uniform(0.0, min(cap, initial * (2 ** (attempt - 1))))
+
+
+def _field(obj: Any, name: str) -> Any:
+    value = getattr(obj, name, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None) or {}
+        value = extra.get(name)
+    return value
+
+
+def parse_completion(resp: Any) -> dict:
+    """A chat completion -> {"reasoning", "content", "finish_reason", "usage"}; MalformedResponse if unusable."""
+    if isinstance(resp, (str, bytes)):
+        snippet = resp[:80] if isinstance(resp, str) else resp[:80].decode("utf-8", "replace")
+        raise MalformedResponse(f"response body is not JSON: {snippet!r}")
+    choices = getattr(resp, "choices", None)
+    if not choices:
+        raise MalformedResponse("200 response with no choices")
+    choice = choices[0]
+    message = getattr(choice, "message", None)
+    if message is None:
+        raise MalformedResponse("200 response whose first choice has no message")
+    # Current vLLM: `reasoning`; older vLLM and other servers: `reasoning_content`.
+    reasoning = _field(message, "reasoning") or _field(message, "reasoning_content") or ""
+    content = _field(message, "content") or ""
+    if not isinstance(reasoning, str) or not isinstance(content, str):
+        raise MalformedResponse("message reasoning/content is not a string")
+    usage = getattr(resp, "usage", None)
+    usage = usage.model_dump(exclude_none=True) if hasattr(usage, "model_dump") else (usage or {})
+    return {
+        "reasoning": reasoning,
+        "content": content,
+        "finish_reason": getattr(choice, "finish_reason", None),
+        "usage": {k: v for k, v in usage.items() if isinstance(v, (int, float))},
+    }
+
+
+def normalize_turn(reasoning: str, content: str) -> tuple[str, str]:
+    """The reasoning and content to store in the conversation.
+
+    Reasoning parsers hand back the text between <think> and </think> verbatim, so the
+    template's own newlines around it come back too ("\\nR\\n", "\\n\\nC"). Templates add
+    them again when rendering, so strip them here (as Qwen's templates do) to make the
+    rendered conversation reproduce the generated text.
+    """
+    return reasoning.strip("\n"), content.lstrip("\n") if reasoning else content
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class RunStats:
+    started: float = field(default_factory=time.monotonic)
+    done: int = 0
+    failed: int = 0
+    requests: int = 0
+    retries: int = 0
+    retry_reasons: Counter = field(default_factory=Counter)
+    failure_reasons: Counter = field(default_factory=Counter)
+    finish_reasons: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    _in_flight_area: float = 0.0
+    _last_change: float = field(default_factory=time.monotonic)
+
+    def change_in_flight(self, delta: int) -> None:
+        now = time.monotonic()
+        self._in_flight_area += self.in_flight * (now - self._last_change)
+        self._last_change = now
+        self.in_flight += delta
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def elapsed(self) -> float:
+        return max(1e-9, time.monotonic() - self.started)
+
+    def avg_in_flight(self) -> float:
+        self.change_in_flight(0)
+        return self._in_flight_area / self.elapsed()
+
+
+class Generator:
+    """Runs the requests for a list of prompts with `concurrency` workers."""
+
+    def __init__(self, cfg: Config, client, model: str, raw: JsonlAppender, failed: JsonlAppender, seed: int = 0):
+        self.cfg = cfg
+        self.g = cfg.generate
+        self.client = client
+        self.model = model
+        self.raw = raw
+        self.failed = failed
+        self.rng = random.Random(seed)
+        self.stats = RunStats()
+        self.stopping = False
+        self.workers: list[asyncio.Task] = []
+        self.bar = None
+
+    # -- one request, with retries
+    async def _request(self, messages: list[dict]) -> tuple[dict, int]:
+        g = self.g
+        extra_body = dict(g.extra_body)
+        if g.enable_thinking is not None:
+            extra_body.setdefault("chat_template_kwargs", {})["enable_thinking"] = g.enable_thinking
+        attempt = 0
+        while True:
+            attempt += 1
+            self.stats.requests += 1
+            self.stats.change_in_flight(+1)
+            t0 = time.monotonic()
+            try:
+                resp = await self.client.chat.completions.create(
+                    model=self.model,
+                    messages=messages,
+                    max_tokens=g.max_tokens,
+                    temperature=g.temperature,
+                    top_p=g.top_p,
+                    extra_body=extra_body or None,
+                )
+                turn = parse_completion(resp)
+                turn["latency_s"] = round(time.monotonic() - t0, 3)
+                return turn, attempt
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                failure = classify(exc)
+                if not failure.retryable or attempt > g.max_retries:
+                    raise _Failed(failure, attempt) from None
+                self.stats.retries += 1
+                self.stats.retry_reasons[failure.error_type if failure.status_code is None else str(failure.status_code)] += 1
+                delay = backoff_delay(attempt, g.backoff_initial_s, g.backoff_max_s, self.rng)
+                if failure.retry_after is not None:
+                    delay = max(delay, min(failure.retry_after, g.backoff_max_s))
+            finally:
+                self.stats.change_in_flight(-1)
+            await asyncio.sleep(delay)
+
+    # -- one prompt: answer its user turns one by one
+    async def _process(self, prompt: dict) -> None:
+        pid = prompt["id"]
+        history = [m for m in prompt["messages"] if m.get("role") != "assistant"]
+        conversation: list[dict] = []
+        turns: list[dict] = []
+        attempts = 0
+        if not any(m.get("role") == "user" for m in history):
+            self._record_failure(pid, Failure("prompt has no user message", "DataError", None, False), 0, 0)
+            return
+        for i, message in enumerate(history):
+            conversation.append({"role": message["role"], "content": message.get("content") or ""})
+            if message.get("role") != "user":
+                continue
+            # The request carries the regenerated history, reasoning included (vLLM passes an
+            # assistant's `reasoning` to the chat template).
+            try:
+                turn, n = await self._request(conversation)
+            except _Failed as f:
+                self._record_failure(pid, f.failure, attempts + f.attempts, len(turns))
+                return
+            attempts += n
+            reasoning, content = normalize_turn(turn["reasoning"], turn["content"])
+            assistant = {"role": "assistant", "content": content}
+            if reasoning:
+                assistant["reasoning"] = reasoning
+            conversation.append(assistant)
+            turns.append(turn | {"attempts": n})
+        usage: Counter = Counter()
+        for t in turns:
+            usage.update(t["usage"])
+        last = turns[-1]
+        row = {
+            "id": pid,
+            "messages": conversation,
+            "reasoning": last["reasoning"],
+            "content": last["content"],
+            "finish_reason": last["finish_reason"],
+            "usage": dict(usage),
+            "turns": turns,
+            "model": self.model,
+        }
+        self.raw.write(row)  # one synchronous write: never interleaved, never cancelled halfway
+        self.stats.done += 1
+        self.stats.prompt_tokens += int(usage.get("prompt_tokens", 0))
+        self.stats.completion_tokens += int(usage.get("completion_tokens", 0))
+        self.stats.finish_reasons[str(last["finish_reason"])] += 1
+        self._progress()
+
+    def _record_failure(self, pid: str, failure: Failure, attempts: int, turn: int) -> None:
+        self.failed.write(
+            {
+                "id": pid,
+                "reason": failure.reason,
+                "error_type": failure.error_type,
+                "status_code": failure.status_code,
+                "attempts": attempts,
+                "turn": turn,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+        )
+        self.failed.sync()  # failures are rare; make each durable
+        self.stats.failed += 1
+        self.stats.failure_reasons[failure.error_type if failure.status_code is None else str(failure.status_code)] += 1
+        self._progress()
+
+    def _progress(self, refresh: bool = False) -> None:
+        if self.bar is None:
+            return
+        s = self.stats
+        el = s.elapsed()
+        self.bar.set_postfix(
+            done=s.done, failed=s.failed, in_flight=s.in_flight, req_s=f"{s.requests / el:.2f}",
+            tok_s=f"{s.completion_tokens / el:.0f}", refresh=False,
+        )
+        self.bar.update(s.done + s.failed - self.bar.n)  # redraws at most every mininterval
+        if refresh:
+            self.bar.refresh()
+
+    async def _worker(self, queue: asyncio.Queue) -> None:
+        while not self.stopping:
+            try:
+                prompt = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await self._process(prompt)
+
+    async def _ticker(self) -> None:
+        while True:  # keeps rates fresh while requests hang
+            await asyncio.sleep(1.0)
+            self._progress(refresh=True)
+
+    def request_stop(self, signame: str) -> None:
+        if not self.stopping:
+            print(f"\n{signame}: stopping; cancelling {self.stats.in_flight} in-flight request(s)", file=sys.stderr)
+        self.stopping = True
+        for w in self.workers:
+            w.cancel()
+
+    async def run(self, prompts: list[dict]) -> bool:
+        """Generate for all prompts; False if stopped by a signal."""
+        from tqdm import tqdm
+
+        queue: asyncio.Queue = asyncio.Queue()
+        for p in prompts:
+            queue.put_nowait(p)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        self.bar = tqdm(total=len(prompts), desc="generate", unit="sample", dynamic_ncols=True, file=sys.stderr)
+        ticker = asyncio.create_task(self._ticker())
+        self.stats = RunStats()
+        try:
+            n_workers = min(self.g.concurrency, len(prompts))
+            self.workers = [asyncio.create_task(self._worker(queue)) for _ in range(n_workers)]
+            finished, _ = await asyncio.wait(self.workers, return_when=asyncio.FIRST_EXCEPTION)
+            for task in finished:
+                if not task.cancelled() and task.exception() is not None:
+                    self.request_stop("error")
+                    await asyncio.wait(self.workers)
+                    raise task.exception()
+        finally:
+            ticker.cancel()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            self._progress(refresh=True)
+            self.bar.close()
+        return not self.stopping
+
+
+class _Failed(Exception):
+    def __init__(self, failure: Failure, attempts: int):
+        super().__init__(failure.reason)
+        self.failure, self.attempts = failure, attempts
+
+
+# ----------------------------------------------------------------------------- server checks
+
+
+def make_client(cfg: Config):
+    import httpx2
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    g = cfg.generate
+    limits = httpx2.Limits(max_connections=g.concurrency + 8, max_keepalive_connections=g.concurrency + 8)
+    return AsyncOpenAI(
+        base_url=g.base_url,
+        api_key=api_key_from_env(cfg),
+        timeout=g.timeout_s,
+        max_retries=0,  # we retry ourselves, with backoff and accounting
+        http_client=DefaultAsyncHttpxClient(limits=limits, timeout=g.timeout_s),
+    )
+
+
+def server_root(base_url: str) -> str:
+    """http://host:port/v1 -> http://host:port (vLLM's /tokenize, /health, /metrics live there)."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def _unreachable(cfg: Config, exc: BaseException) -> PipelineError:
+    return PipelineError(
+        f"cannot reach the generation server at {cfg.generate.base_url} ({type(exc).__name__}); start one with "
+        f"`python -m vllm.entrypoints.openai.api_server --model {cfg.target.model or 'TARGET_DIR'} --port 8000` "
+        "or set generate.base_url"
+    )
+
+
+async def resolve_model(client, cfg: Config) -> str:
+    """Check the server answers and pick the model: generate.model, or the first one it serves."""
+    import openai
+
+    g = cfg.generate
+    try:
+        page = await client.with_options(timeout=min(g.timeout_s, 30.0)).models.list()
+    except openai.AuthenticationError:
+        raise PipelineError(
+            f"the server at {g.base_url} rejected the API key (401); put the key in the environment variable {g.api_key_env}"
+        ) from None
+    except openai.APIStatusError as e:
+        raise PipelineError(f"the server at {g.base_url} answered {e.status_code} to GET /models; is it an OpenAI-compatible server?") from None
+    except (openai.APIConnectionError, ValueError) as e:
+        raise _unreachable(cfg, e) from None
+    served = [m.id for m in getattr(page, "data", None) or []]
+    if g.model:
+        if g.model not in served:
+            raise PipelineError(f"generate.model '{g.model}' is not served at {g.base_url} (it serves {served}); fix generate.model or set it to null")
+        return g.model
+    if not served:
+        raise PipelineError(f"the server at {g.base_url} lists no models; set generate.model")
+    return served[0]
+
+
+async def check_tokenizer_matches(client, cfg: Config, model: str, tokenizer) -> str:
+    """Compare our tokenizer with the served model's on a probe string via vLLM's /tokenize.
+
+    Returns "match" or "unchecked (...)"; raises DataError on a mismatch.
+    """
+    import openai
+
+    url = server_root(cfg.generate.base_url) + "/tokenize"
+    try:
+        resp = await client.with_options(timeout=min(cfg.generate.timeout_s, 30.0)).post(
+            url, cast_to=object, body={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+        )
+    except openai.APIStatusError as e:
+        return f"unchecked (/tokenize answered {e.status_code})"
+    except (openai.APIConnectionError, ValueError) as e:
+        return f"unchecked ({type(e).__name__} on /tokenize)"
+    served = resp.get("tokens") if isinstance(resp, dict) else None
+    if not isinstance(served, list):
+        return "unchecked (/tokenize gave no token list)"
+    ours = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if list(served) != list(ours):
+        raise DataError(
+            f"the target tokenizer ({cfg.target.tokenizer or cfg.target.model}) does not match the served model '{model}': "
+            f"a probe string gives {len(ours)} tokens {ours[:6]}... here and {len(served)} tokens {served[:6]}... on the server; "
+            "point target.model/target.tokenizer at the model the server runs"
+        )
+    return "match"
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+
+def tokenizer_path(cfg: Config) -> str:
+    path = cfg.target.tokenizer or cfg.target.model
+    if not path:
+        raise PipelineError("target.model is not set; 01b needs the target's tokenizer (set target.model or target.tokenizer)")
+    return path
+
+
+def fingerprint(cfg: Config, done_ids, tokenizer) -> str:
+    """Identifies the tokenized outputs: which samples, which tokenizer, which settings."""
+    h = hashlib.sha256()
+    for pid in sorted(done_ids):
+        h.update(pid.encode() + b"\0")
+    h.update(json.dumps([cfg.tokenize.max_seq_len, cfg.tokenize.overlong, tokenizer_path(cfg), cfg.generate.enable_thinking]).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode() if tokenizer is not None else b"")
+    return h.hexdigest()
+
+
+def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[str, dict], tokenizer) -> dict:
+    """raw responses -> data/train.jsonl + data/eval.jsonl (atomic). Returns the counts."""
+    from tqdm import tqdm
+
+    from common.tokenization import stop_token_ids, tokenize_conversation
+
+    stop_ids = stop_token_ids(tokenizer, tokenizer_path(cfg))
+    template_kwargs = {} if cfg.generate.enable_thinking is None else {"enable_thinking": cfg.generate.enable_thinking}
+    stats: Counter = Counter()
+    out = {"train": [], "eval": []}
+    t0 = time.monotonic()
+    tokens = loss_tokens = 0
+    for prompt in tqdm(prompts, desc="tokenize", unit="sample", file=sys.stderr, dynamic_ncols=True):
+        row = done.get(prompt["id"])
+        if row is None:
+            continue
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            stats["malformed"] += 1
+            continue
+        sample = tokenize_conversation(
+            tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
+            stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
+        )
+        if sample is None:
+            continue
+        split = "eval" if prompt.get("split") == "eval" else "train"
+        out[split].append({"id": prompt["id"], **sample})
+        tokens += len(sample["input_ids"])
+        loss_tokens += sum(sample["loss_mask"])
+    write_jsonl_atomic(paths.train, out["train"])
+    write_jsonl_atomic(paths.eval, out["eval"])
+    skipped = {k: v for k, v in stats.items() if k not in ("kept", "truncated")}
+    return {
+        "train": len(out["train"]),
+        "eval": len(out["eval"]),
+        "truncated": stats.get("truncated", 0),
+        "skipped": skipped,
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "seconds": round(time.monotonic() - t0, 3),
+        "max_seq_len": cfg.tokenize.max_seq_len,
+        "overlong": cfg.tokenize.overlong,
+    }
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def finalize_failed(paths: Paths, prompt_ids: set[str], done_ids: set[str]) -> dict[str, dict]:
+    """Rewrite failed.jsonl atomically with only the ids that are still not done."""
+    still = {pid: r for pid, r in load_failed(paths.failed).items() if pid in prompt_ids and pid not in done_ids}
+    if paths.failed.exists() or still:
+        write_jsonl_atomic(paths.failed, still.values())
+    return still
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_stage(cfg: Config, overwrite: bool = False) -> int:
+    """The whole stage; returns the exit code (0, or 130 when stopped by a signal)."""
+    # Outside the event loop SIGTERM behaves like Ctrl-C: atomic writes finish or vanish.
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        return _run_stage(cfg, overwrite)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_stage(cfg: Config, overwrite: bool) -> int:
+    paths = Paths.of(cfg)
+    if overwrite:
+        for p in paths.outputs():
+            p.unlink(missing_ok=True)
+
+    prompts, dup_prompts = load_prompts(paths.prompts)
+    prompt_ids = {p["id"] for p in prompts}
+    done, dup_raw = load_done(paths.raw)
+    if dup_raw:
+        log.warning("%s holds %d duplicate id(s); using the first row of each", paths.raw, dup_raw)
+    todo = [p for p in prompts if p["id"] not in done]
+    done_before = sum(1 for pid in done if pid in prompt_ids)
+
+    from common.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code)
+    old_report = read_json(paths.report) if paths.report.is_file() else {}
+
+    if not todo:
+        fp = fingerprint(cfg, [pid for pid in done if pid in prompt_ids], tokenizer)
+        if paths.train.is_file() and paths.eval.is_file() and old_report.get("tokenize", {}).get("fingerprint") == fp:
+            finalize_failed(paths, prompt_ids, set(done))
+            t = old_report["tokenize"]
+            print(f"01b_generate_synthetic: already complete ({len(prompts)} samples generated; train {t['train']}, eval {t['eval']}) in {paths.raw.parent}; use --overwrite to redo")
+            return 0
+
+    report: dict[str, Any] = {
+        "num_prompts": len(prompts),
+        "duplicate_prompt_ids": dup_prompts,
+        "duplicates_in_raw": dup_raw,
+        "done_before": done_before,
+        "base_url": cfg.generate.base_url,
+        "concurrency": cfg.generate.concurrency,
+    }
+    gen_stats: Optional[RunStats] = None
+    interrupted = False
+    if todo:
+        generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, paths, todo, tokenizer))
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
+        gen_stats = generator.stats
+        report |= {"model": model, "tokenizer_check": tok_check}
+        done, _ = load_done(paths.raw)
+    done_ids = {pid for pid in done if pid in prompt_ids}
+    still_failed = finalize_failed(paths, prompt_ids, done_ids)
+    report |= {"num_done": len(done_ids), "num_failed": len(still_failed), "interrupted": interrupted}
+    if gen_stats is not None:
+        s = gen_stats
+        el = s.elapsed()
+        report["this_run"] = {
+            "prompts": len(todo), "done": s.done, "failed": s.failed, "requests": s.requests, "retries": s.retries,
+            "retry_reasons": dict(s.retry_reasons), "failure_reasons": dict(s.failure_reasons),
+            "finish_reasons": dict(s.finish_reasons), "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens, "elapsed_s": round(el, 3),
+            "requests_per_s": round(s.requests / el, 3), "samples_per_s": round(s.done / el, 3),
+            "completion_tokens_per_s": round(s.completion_tokens / el, 1),
+            "max_in_flight": s.max_in_flight, "avg_in_flight": round(s.avg_in_flight(), 2),
+        }
+    gen_line = ""
+    if gen_stats is not None:
+        r = report["this_run"]
+        gen_line = (f"{r['done']} generated, {r['failed']} failed, {r['retries']} retries in {r['elapsed_s']:.1f}s "
+                    f"({r['requests_per_s']:.2f} req/s, {r['completion_tokens_per_s']:.0f} tok/s); ")
+    if interrupted:
+        report["complete"] = False
+        atomic_write_json(paths.report, report)
+        print(f"01b_generate_synthetic: interrupted: {gen_line}{len(done_ids)}/{len(prompts)} done, "
+              f"{len(still_failed)} failed; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+    tok = tokenize_outputs(cfg, paths, prompts, done, tokenizer)
+    tok["fingerprint"] = fingerprint(cfg, done_ids, tokenizer)
+    report["tokenize"] = tok
+    report["complete"] = not still_failed
+    atomic_write_json(paths.report, report)
+    print(f"01b_generate_synthetic: {gen_line}{len(done_ids)}/{len(prompts)} done, {len(still_failed)} failed"
+          f"{' (rerun to retry them; reasons in ' + str(paths.failed) + ')' if still_failed else ''}; "
+          f"tokenized train {tok['train']}, eval {tok['eval']}, {tok['tokens']} tokens ({tok['loss_tokens']} with loss), "
+          f"{tok['truncated']} truncated, skipped {tok['skipped'] or 0}")
+    return 0
+
+
+async def _generate(cfg: Config, paths: Paths, todo: list[dict], tokenizer):
+    client = make_client(cfg)
+    try:
+        model = await resolve_model(client, cfg)
+        tok_check = await check_tokenizer_matches(client, cfg, model, tokenizer)
+        if tok_check != "match":
+            log.warning("could not verify the tokenizer against the server: %s", tok_check)
+        with JsonlAppender(paths.raw, cfg.generate.fsync_every) as raw, JsonlAppender(paths.failed, 1) as failed:
+            generator = Generator(cfg, client, model, raw, failed, seed=cfg.data.seed)
+            completed = await generator.run(todo)
+        return generator, not completed, model, tok_check
+    finally:
+        await client.close()

@@ -1,0 +1,165 @@
+"""Stage 03: the draft vocabulary: the target ids the draft's lm_head can predict.
+
+Counts how often each token id occurs at loss-masked (assistant) positions of data/train.jsonl
+(eval is never counted: its coverage must stay an honest estimate), keeps the
+vocab.draft_vocab_size most frequent ids (ties broken by the lower id), pads with the lowest
+unused ids when fewer distinct ids were seen, and sorts them ascending. As in official EAGLE-3,
+SpecForge and speculators (spec §3):
+
+    d2t int64 [V_d]   offsets: target id = i + d2t[i]   (vLLM reads this; draft_id_to_target_id)
+    t2d bool  [V]     t2d[j] = j is in the draft vocab, exactly V_d True entries
+
+Because the ids are sorted, target_logits[..., t2d] lists the draft vocab in draft-index order.
+Outputs (under run_dir/vocab/, atomic): vocab_map.safetensors and report.json (draft/target
+vocab sizes, distinct ids seen, coverage = share of loss-masked training tokens inside the draft
+vocab, number of padded ids, and the input fingerprint used to decide "already complete").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from common.errors import DataError
+from common.io import atomic_path, atomic_write_json, read_json
+
+log = logging.getLogger("vocab_map")
+
+MAP_NAME = "vocab_map.safetensors"
+REPORT_NAME = "report.json"
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def count_masked_tokens(path: Path, vocab_size: int, flush_every: int = 1 << 20) -> tuple[np.ndarray, int, str]:
+    """Per-id counts over loss-masked positions of a tokenized jsonl; also (num_samples, sha256)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    pending: list[int] = []
+    digest = hashlib.sha256()
+    num_samples = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            digest.update(line)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                sid, ids, mask = str(row["id"]), row["input_ids"], row["loss_mask"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{path}:{lineno}: malformed tokenized sample ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
+            if len(ids) != len(mask):
+                raise DataError(f"sample '{sid}' ({path}:{lineno}): input_ids and loss_mask lengths differ ({len(ids)} vs {len(mask)})")
+            if ids and (max(ids) >= vocab_size or min(ids) < 0):
+                bad = max(ids) if max(ids) >= vocab_size else min(ids)
+                raise DataError(
+                    f"sample '{sid}' has token id {bad}, outside the target vocab [0, {vocab_size}): the data was "
+                    f"tokenized with a different tokenizer; rerun 01b_generate_synthetic.py with the target's tokenizer"
+                )
+            pending.extend(t for t, m in zip(ids, mask) if m)
+            num_samples += 1
+            if len(pending) >= flush_every:  # bincount in big blocks: fast, bounded memory
+                counts += np.bincount(np.asarray(pending, dtype=np.int64), minlength=vocab_size)
+                pending = []
+    if pending:
+        counts += np.bincount(np.asarray(pending, dtype=np.int64), minlength=vocab_size)
+    return counts, num_samples, digest.hexdigest()
+
+
+def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
+    """The draft vocab as sorted target ids: top-V_d by count, ties by lower id, then unused ids by id."""
+    order = np.lexsort((np.arange(len(counts)), -counts))  # primary: count desc; secondary: id asc
+    return np.sort(order[:draft_vocab_size])
+
+
+def build_mappings(used_ids: np.ndarray, vocab_size: int):
+    """d2t offsets [V_d] (target = i + d2t[i]) and t2d mask [V] from sorted draft ids."""
+    import torch
+
+    used = torch.as_tensor(np.asarray(used_ids), dtype=torch.int64)
+    d2t = used - torch.arange(len(used), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def load_vocab_map(path: str | Path):
+    """(d2t, t2d) from vocab_map.safetensors."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return tensors["d2t"], tensors["t2d"]
+
+
+def run_vocab_map(cfg, overwrite: bool = False) -> dict:
+    """Build (or find complete) vocab/vocab_map.safetensors and vocab/report.json. Returns the report."""
+    from safetensors.torch import save_file
+
+    from common.model_loading import load_target_info
+
+    run_dir = Path(cfg.run_dir)
+    train = run_dir / "data" / "train.jsonl"
+    if not train.is_file():
+        raise DataError(f"{train} not found; run 01b_generate_synthetic.py first (it writes data/train.jsonl)")
+    out_dir = run_dir / "vocab"
+    map_path, report_path = out_dir / MAP_NAME, out_dir / REPORT_NAME
+    info = load_target_info(cfg)
+    vocab_size = info.vocab_size
+    requested = cfg.vocab.draft_vocab_size
+
+    if overwrite:
+        map_path.unlink(missing_ok=True)
+        report_path.unlink(missing_ok=True)
+    elif report_path.is_file() and map_path.is_file():  # the report is written last: both = complete
+        report = read_json(report_path)
+        same = (report.get("train_sha256") == _file_sha256(train) and report.get("requested_draft_vocab_size") == requested
+                and report.get("target_vocab_size") == vocab_size)
+        if not same:
+            raise DataError(
+                f"{out_dir} was built from other inputs or settings (data/train.jsonl, vocab.draft_vocab_size or the "
+                f"target vocab changed); rerun 03_build_vocab_map.py with --overwrite"
+            )
+        print(f"03_build_vocab_map: already complete ({report['draft_vocab_size']} draft ids, coverage "
+              f"{report['coverage']:.4f}) in {out_dir}; use --overwrite to redo")
+        return report
+
+    draft_vocab_size = requested
+    if requested > vocab_size:
+        log.warning("vocab.draft_vocab_size=%d exceeds the target vocab %d; using %d (the full vocab)", requested, vocab_size, vocab_size)
+        draft_vocab_size = vocab_size
+
+    counts, num_samples, sha = count_masked_tokens(train, vocab_size)
+    total = int(counts.sum())
+    if total == 0:
+        raise DataError(f"{train} has no loss-masked tokens ({num_samples} samples); check the loss masks written by 01b")
+    used = select_draft_vocab(counts, draft_vocab_size)
+    d2t, t2d = build_mappings(used, vocab_size)
+    distinct = int((counts > 0).sum())
+    padded = int((counts[used] == 0).sum())
+    report = {
+        "draft_vocab_size": int(draft_vocab_size),
+        "requested_draft_vocab_size": int(requested),
+        "target_vocab_size": int(vocab_size),
+        "distinct_tokens_seen": distinct,
+        "num_loss_tokens": total,
+        "num_samples": num_samples,
+        "coverage": float(counts[used].sum() / total),
+        "padded": padded,
+        "train_sha256": sha,
+        "target_model": cfg.target.model,
+    }
+    with atomic_path(map_path) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
+    atomic_write_json(report_path, report)
+    print(f"03_build_vocab_map: {draft_vocab_size} draft ids of {vocab_size} from {total:,} loss-masked tokens in "
+          f"{num_samples} samples ({distinct} distinct, {padded} padded); coverage {report['coverage']:.4f} -> {out_dir}")
+    return report

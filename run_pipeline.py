@@ -1,0 +1,331 @@
+"""Run the whole pipeline, one stage after another, with one command.
+
+    python run_pipeline.py --config configs/tiny.yaml --tiny-target llama [--set key=value ...]
+
+Order: [tiny target] -> 01 prepare data -> start vLLM on the target -> 01b generate (against
+that server) -> target-alone baseline for 05 (same server) -> stop the server -> 02 extract
+hidden states -> 03 vocab map -> 04 train -> 05 evaluate (starts its own server with the draft).
+Each stage runs as a subprocess with the same --config and --set arguments; its output goes
+to the console and to run_dir/logs/<stage>.log. Every stage resumes, so rerunning this command
+continues where it stopped; finished stages say "already complete".
+
+--tiny-target FAMILY builds the embedded tiny target (common/tiny_target.py, cached under
+~/.cache/eagle3-pipeline) and copies it into target.model when that directory does not exist
+yet: what configs/tiny.yaml needs on a fresh machine (scripts/run_demo.sh passes it).
+--server-url URL uses an already running server of the target for 01b instead of starting one.
+
+Every vLLM server this starts is stopped on success, failure, Ctrl-C and SIGTERM. The exit code
+is non-zero when a stage fails; the message names the stage and its log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+STAGES = ["target", "01_prepare_data", "01b_generate_synthetic", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"]
+
+
+class StageFailed(Exception):
+    def __init__(self, stage: str, code: int, log: Path):
+        super().__init__(f"stage {stage} failed (exit code {code}); log: {log}")
+        self.stage, self.code, self.log = stage, code, log
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def banner(text: str) -> None:
+    line = "=" * 78
+    print(f"\n{line}\n{text}\n{line}", flush=True)
+
+
+def _stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Ctrl-C the child's process group (so it saves its work), then SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # workers the child left behind in its group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_logged(name: str, cmd: list[str], log_path: Path) -> tuple[int, str]:
+    """Run cmd in its own process group; tee stdout+stderr to the console and log_path.
+
+    Returns (exit code, full output). On KeyboardInterrupt the child is stopped first.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    captured = bytearray()
+    with open(log_path, "ab") as log:
+        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            fd = proc.stdout.fileno()
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                log.write(chunk)
+                log.flush()  # the log is readable while the stage runs
+                captured += chunk
+            code = proc.wait()
+        except BaseException:
+            _stop_child(proc)
+            raise
+        finally:
+            proc.stdout.close()
+    return code, captured.decode("utf-8", "replace")
+
+
+def log_tail(path: Path, n: int = 20) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in lines[-n:])
+
+
+# ----------------------------------------------------------------------------- the tiny target
+
+
+def prepare_tiny_target(cfg, family: str, logs: Path) -> str:
+    """Put the cached tiny target of `family` into cfg.target.model; returns a status line."""
+    dest = Path(cfg.target.model)
+    info_path = dest / "tiny_target_info.json"
+    if (dest / "config.json").is_file():
+        if info_path.is_file():
+            have = json.loads(info_path.read_text()).get("family")
+            if have != family:
+                from common.errors import ConfigError
+
+                raise ConfigError(
+                    f"target.model {dest} already holds a tiny '{have}' target, not '{family}'; "
+                    f"pass --tiny-target {have}, or point target.model at another directory"
+                )
+        return f"target already in place: {dest}"
+    # Built (or found) in the cache by a subprocess, so this process stays free of torch.
+    code, out = run_logged("target", [sys.executable, "-m", "common.tiny_target", "--family", family, "--print-path"],
+                           logs / "target.log")
+    if code != 0:
+        raise StageFailed("target", code, logs / "target.log")
+    cached = Path(out.strip().splitlines()[-1])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
+    try:
+        shutil.copytree(cached, tmp, dirs_exist_ok=True)
+        os.replace(tmp, dest)  # whole directory appears at once
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return f"copied tiny {family} target {cached} -> {dest}"
+
+
+def check_target(cfg) -> None:
+    from common.errors import ConfigError
+
+    path = cfg.target.model
+    local = os.path.isabs(path) or path.startswith(".") or os.path.exists(path)
+    if local and not os.path.isdir(path):
+        raise ConfigError(
+            f"target.model = '{path}' does not exist; for the embedded tiny default pass --tiny-target llama "
+            "(or qwen3) to build it there, or point target.model at a model directory"
+        )
+
+
+# ----------------------------------------------------------------------------- does 01b need a server?
+
+
+def generation_pending(cfg) -> bool:
+    """True if 01b still has prompts to answer (it needs a server only then)."""
+    from common.generate import Paths, load_done, load_prompts
+
+    paths = Paths.of(cfg)
+    prompts, _ = load_prompts(paths.prompts)
+    if not paths.raw.exists():
+        return True
+    done, _ = load_done(paths.raw)
+    return any(p["id"] not in done for p in prompts)
+
+
+def baseline_pending(cfg) -> bool:
+    from common.evaluate import cached_baseline
+
+    return cached_baseline(cfg) is None
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def artifact_rows(cfg) -> list[tuple[str, Path]]:
+    r = cfg.run_path
+    return [
+        ("target model", Path(cfg.target.model)),
+        ("prompts", r / "data" / "prompts.jsonl"),
+        ("generated responses", r / "data" / "raw_responses.jsonl"),
+        ("tokenized train / eval", r / "data" / "train.jsonl"),
+        ("", r / "data" / "eval.jsonl"),
+        ("hidden states index", r / "hidden" / "index.json"),
+        ("vocab map", r / "vocab" / "vocab_map.safetensors"),
+        ("training metrics", r / "train" / "metrics.jsonl"),
+        ("offline eval report", r / "train" / "eval_report.json"),
+        ("draft (vLLM-loadable)", r / "train" / "final"),
+        ("evaluation report", r / "eval" / "report.json"),
+        ("evaluation plot", r / "eval" / "report.png"),
+        ("logs", r / "logs"),
+    ]
+
+
+def _size(path: Path) -> str:
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    else:
+        total = path.stat().st_size
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if total < 1024 or unit == "TB":
+            return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"
+        total /= 1024
+    return "?"
+
+
+def print_summary(cfg, timings: list[tuple[str, float, str]]) -> None:
+    banner("pipeline complete")
+    print(f"{'stage':<26}{'time':>9}  result")
+    for name, secs, status in timings:
+        print(f"{name:<26}{secs:>8.1f}s  {status}")
+    print()
+    print(f"{'artifact':<26}{'size':>9}  path")
+    for label, path in artifact_rows(cfg):
+        print(f"{label:<26}{_size(path):>9}  {path}")
+    report_path = cfg.run_path / "eval" / "report.json"
+    if report_path.is_file():
+        from common.evaluate import format_summary
+
+        report = json.loads(report_path.read_text())
+        print(f"\nmeasured in vLLM: {format_summary(report)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="run_pipeline.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the run's YAML config, e.g. configs/tiny.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override passed to every stage (repeatable)")
+    parser.add_argument("--tiny-target", choices=["llama", "qwen3"],
+                        help="build the embedded tiny target of this family into target.model if it is not there yet")
+    parser.add_argument("--server-url", help="use this running vLLM server of the target (http://host:port/v1) for 01b instead of starting one")
+    parser.add_argument("--stop-after", choices=STAGES[1:], help="stop after this stage")
+    args = parser.parse_args(argv)
+
+    from common.config import load_config
+    from common.errors import PipelineError
+
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM cleans up like Ctrl-C
+    base = [sys.executable]
+    common_args = ["--config", str(Path(args.config).resolve())] + [a for o in args.overrides for a in ("--set", o)]
+    timings: list[tuple[str, float, str]] = []
+    server = None
+    current = "config"
+    try:
+        cfg = load_config(args.config, args.overrides)
+        logs = cfg.run_path / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+
+        def stage(name: str, script: str, *extra: str) -> None:
+            nonlocal current
+            current = name
+            banner(f"[{name}] {script} {' '.join(extra)}".rstrip())
+            t0 = time.monotonic()
+            code, out = run_logged(name, base + [str(ROOT / script)] + common_args + list(extra), logs / f"{name}.log")
+            secs = time.monotonic() - t0
+            if code != 0:
+                timings.append((name, secs, f"FAILED (exit {code})"))
+                raise StageFailed(name, code, logs / f"{name}.log")
+            # Stages say "already complete" (04: "nothing to do") when they found their outputs.
+            status = "already complete" if re.search(r"already complete|nothing to do", out) else "done"
+            timings.append((name, secs, status))
+            print(f"--- {name}: {status} in {secs:.1f}s (log: {logs / f'{name}.log'})", flush=True)
+
+        # target
+        current = "target"
+        if args.tiny_target:
+            banner(f"[target] tiny {args.tiny_target} target -> {cfg.target.model}")
+            t0 = time.monotonic()
+            status = prepare_tiny_target(cfg, args.tiny_target, logs)
+            timings.append(("target", time.monotonic() - t0, status))
+            print(f"--- target: {status}", flush=True)
+        check_target(cfg)
+
+        stage("01_prepare_data", "01_prepare_data.py")
+        if args.stop_after == "01_prepare_data":
+            return 0
+
+        # 01b and the target-alone baseline share one server of the target.
+        current = "01b_generate_synthetic"
+        url = args.server_url
+        if url is None and (generation_pending(cfg) or baseline_pending(cfg)):
+            from common.evaluate import target_server
+
+            banner(f"[vllm] starting a vLLM server for {cfg.target.model}")
+            t0 = time.monotonic()
+            server = target_server(cfg, None, log_path=logs / "vllm_generate.log").start()
+            url = server.base_url
+            timings.append(("vllm server start", time.monotonic() - t0, url))
+            print(f"--- vLLM ready at {url} in {time.monotonic() - t0:.1f}s (log: {server.log_path})", flush=True)
+        url_args = ["--set", f"generate.base_url={url}"] if url else []
+        stage("01b_generate_synthetic", "01b_generate_synthetic.py", *url_args)
+        if url is not None:
+            stage("05_baseline", "05_evaluate.py", "--baseline-only", "--base-url", url)
+        if server is not None:
+            server.stop()
+            server = None
+        if args.stop_after == "01b_generate_synthetic":
+            return 0
+
+        for name in ("02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"):
+            stage(name, f"{name}.py")
+            if args.stop_after == name:
+                break
+        print_summary(cfg, timings)
+        return 0
+    except StageFailed as e:
+        print(f"\nrun_pipeline: {e}\nlast lines of the log:\n{log_tail(e.log)}", file=sys.stderr)
+        print("fix the problem and rerun the same command: finished stages are skipped", file=sys.stderr)
+        return e.code if 0 < e.code < 128 else 1
+    except PipelineError as e:
+        print(f"run_pipeline: error in {current}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nrun_pipeline: interrupted during {current}; rerun the same command to resume", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""End to end: run_pipeline.py on the embedded tiny default, with a real vLLM (CPU build).
+
+The slow tests run every stage (tiny target -> 01 -> vLLM -> 01b -> 02 -> 03 -> 04 -> 05) in a
+temporary run_dir and check what vLLM measured: acceptance length with 3 speculative tokens
+>= 1.8 (a random draft gets 1.0) and greedy outputs identical with and without the draft.
+They are sized (TINY_SETS) to take a few minutes each on 2 CPU cores.
+
+The fast tests check run_pipeline.py's own behaviour: a clear error for a missing target, a
+failing stage named with its log, and Ctrl-C stopping the stage's whole process group.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
+
+# configs/tiny.yaml, scaled to fit both pipelines in ~20 minutes on 2 cores.
+TINY_SETS = [
+    "evaluate.num_prompts=32",
+    "evaluate.max_tokens=128",
+]
+
+
+def run_pipeline(run: Path, *args: str, timeout: float = 1500) -> tuple[int, str]:
+    log = run.parent / f"{run.name}-pipeline.log"
+    cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG),
+           "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}", *args]
+    with open(log, "wb") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    return proc.returncode, log.read_text(encoding="utf-8", errors="replace")
+
+
+def check_measured(run: Path, out: str) -> dict:
+    report = json.loads((run / "eval" / "report.json").read_text())
+    print(f"acceptance length {report['acceptance_length']:.3f}, per-position {report['per_position_acceptance']}, "
+          f"offline {report['offline']}, throughput {report['throughput']}, outputs {report['outputs']['identical']}/"
+          f"{report['outputs']['compared']}")
+    assert report["num_speculative_tokens"] == 3
+    assert report["counters"]["num_drafts"] > 0
+    assert report["acceptance_length"] >= 1.8, report
+    # Greedy: speculative decoding must not change a single output.
+    assert report["outputs"]["greedy"] is True
+    assert report["outputs"]["identical"] == report["outputs"]["compared"] == report["num_prompts"], report["outputs"]
+    assert (run / "eval" / "report.png").stat().st_size > 5_000
+    assert "measured in vLLM: acceptance length" in out
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_pipeline_tiny_llama(tmp_path):
+    run = tmp_path / "llama"
+    code, out = run_pipeline(run, "--tiny-target", "llama", *[a for s in TINY_SETS for a in ("--set", s)])
+    assert code == 0, out[-5000:]
+    check_measured(run, out)
+    # Rerun: every stage finds its outputs complete, no server is started.
+    t0 = time.monotonic()
+    code, out = run_pipeline(run, "--tiny-target", "llama", *[a for s in TINY_SETS for a in ("--set", s)], timeout=600)
+    assert code == 0, out[-5000:]
+    assert "starting a vLLM server" not in out
+    table = out[out.index("pipeline complete"):]
+    for stage in ("01_prepare_data", "01b_generate_synthetic", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"):
+        assert re.search(rf"^{stage} .* already complete$", table, re.M), table
+    print(f"rerun took {time.monotonic() - t0:.0f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_pipeline_tiny_qwen3_custom_vocab_and_aux_layers(tmp_path):
+    run = tmp_path / "qwen3"
+    sets = TINY_SETS + ["vocab.draft_vocab_size=512", "target.aux_layer_ids=[1,2,3]"]
+    code, out = run_pipeline(run, "--tiny-target", "qwen3", *[a for s in sets for a in ("--set", s)])
+    assert code == 0, out[-5000:]
+    check_measured(run, out)
+    draft_cfg = json.loads((run / "train" / "final" / "config.json").read_text())
+    assert draft_cfg["draft_vocab_size"] == 512
+    assert draft_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert json.loads((run / "target" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+# ----------------------------------------------------------------------------- fast: run_pipeline's own behaviour
+
+
+def test_missing_target_without_tiny_flag_is_a_clear_error(tmp_path):
+    run = tmp_path / "run"
+    code, out = run_pipeline(run, timeout=120)
+    assert code == 2
+    assert "target.model" in out and "--tiny-target llama" in out
+
+
+def test_failing_stage_is_named_with_its_log(tmp_path):
+    run = tmp_path / "run"
+    (run / "target").mkdir(parents=True)  # exists, so the pipeline gets to stage 01
+    code, out = run_pipeline(run, "--set", f"data.source={tmp_path / 'no-such-data.jsonl'}", timeout=120)
+    log = run / "logs" / "01_prepare_data.log"
+    assert code == 2, out
+    assert f"stage 01_prepare_data failed (exit code 2); log: {log}" in out
+    assert "no-such-data.jsonl" in log.read_text()
+
+
+def alive(pid: int) -> bool:
+    """True if pid is a running process (a zombie awaiting its reaper counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_interrupt_stops_the_stage_process_group(tmp_path):
+    """Ctrl-C during a stage: the stage and a grandchild it started are gone, exit 130."""
+    pidfile = tmp_path / "grandchild.pid"
+    stage = tmp_path / "stage.py"
+    stage.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pidfile)!r}, "w").write(str(p.pid))
+        print("stage running", flush=True)
+        time.sleep(600)
+    """))
+    driver = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import run_pipeline
+        try:
+            run_pipeline.run_logged("stage", [sys.executable, {str(stage)!r}], __import__("pathlib").Path({str(tmp_path / "stage.log")!r}))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(130)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    log = tmp_path / "stage.log"
+    while not (pidfile.exists() and pidfile.read_text() and log.exists() and "stage running" in log.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in out
+    deadline = time.monotonic() + 10
+    while alive(grandchild):
+        assert time.monotonic() < deadline, f"grandchild {grandchild} survived the interrupt"
+        time.sleep(0.1)
