@@ -162,10 +162,15 @@ def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: tor
         if name.startswith("layers.0."):  # speculators naming of layer 0
             name = "midlayer." + name.removeprefix("layers.0.")
         state[name] = tensor
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("embed_tokens.")]
-    if missing or unexpected:
-        raise DataError(f"{weights_path} does not match its config.json: missing {missing}, unexpected {unexpected}")
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not k.startswith("embed_tokens.")]
+    unexpected = [k for k in state if k not in own]
+    wrong = [f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and v.shape != own[k].shape]
+    if missing or unexpected or wrong:
+        raise DataError(f"{weights_path} does not match its config.json: missing {missing}, "
+                        f"unexpected {unexpected}, wrong shapes {wrong}; re-export the draft")
+    model.load_state_dict(state, strict=False)
     if embedding is not None:
         model.load_target_embedding(embedding)
     model.embed_tokens.weight.requires_grad_(False)

@@ -629,12 +629,16 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     todo = [p for p in prompts if p["id"] not in done]
     done_before = sum(1 for pid in done if pid in prompt_ids)
 
-    from common.tokenization import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code)
     old_report = read_json(paths.report) if paths.report.is_file() else {}
 
+    from common.tokenization import load_tokenizer
+
+    def get_tokenizer():
+        return load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code)
+
+    tokenizer = None
     if not todo:
+        tokenizer = get_tokenizer()
         fp = fingerprint(cfg, [pid for pid in done if pid in prompt_ids], tokenizer)
         if paths.train.is_file() and paths.eval.is_file() and old_report.get("tokenize", {}).get("fingerprint") == fp:
             finalize_failed(paths, prompt_ids, set(done))
@@ -653,7 +657,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     gen_stats: Optional[RunStats] = None
     interrupted = False
     if todo:
-        generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, paths, todo, tokenizer))
+        generator, interrupted, model, tok_check, tokenizer = asyncio.run(_generate(cfg, paths, todo, get_tokenizer))
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
         gen_stats = generator.stats
         report |= {"model": model, "tokenizer_check": tok_check}
@@ -697,16 +701,17 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     return 0
 
 
-async def _generate(cfg: Config, paths: Paths, todo: list[dict], tokenizer):
+async def _generate(cfg: Config, paths: Paths, todo: list[dict], get_tokenizer):
     client = make_client(cfg)
     try:
-        model = await resolve_model(client, cfg)
+        model = await resolve_model(client, cfg)  # first: an unreachable server fails in a second
+        tokenizer = get_tokenizer()
         tok_check = await check_tokenizer_matches(client, cfg, model, tokenizer)
         if tok_check != "match":
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
         with JsonlAppender(paths.raw, cfg.generate.fsync_every) as raw, JsonlAppender(paths.failed, 1) as failed:
             generator = Generator(cfg, client, model, raw, failed, seed=cfg.data.seed)
             completed = await generator.run(todo)
-        return generator, not completed, model, tok_check
+        return generator, not completed, model, tok_check, tokenizer
     finally:
         await client.close()

@@ -6,7 +6,7 @@ with a real vLLM (CPU build), so it has the files a real chat model has:
 - tokenizer.json + tokenizer_config.json: a byte-level BPE (vocab 2048) trained with `tokenizers`
   on the project's own synthetic chat corpus, special tokens `<|endoftext|>` (pad), `<|im_start|>`,
   `<|im_end|>` (eos for chat), `<think>`, `</think>` and a Qwen3-style chat template;
-- config.json + model.safetensors (bfloat16) + generation_config.json (eos = <|im_end|>, <|endoftext|>).
+- config.json + model.safetensors (float32) + generation_config.json (eos = <|im_end|>, <|endoftext|>).
 
 Families: "llama" (LlamaForCausalLM, 4 layers, hidden 128), "qwen3" (Qwen3ForCausalLM, same size,
 head_dim 32) and "deepseek_v3" (DeepseekV3ForCausalLM, tiny MLA + MoE; random init by default,
@@ -21,7 +21,7 @@ trained model answers in that format, e.g. `<think>\\n...\\n</think>\\n\\nHere i
 The same generator writes the embedded sample dataset (data/sample_prompts.jsonl, via
 scripts/make_sample_data.py), so the prompts the pipeline sends are in the target's distribution.
 
-Cost (measured on the 2-core dev machine): the default llama build (1200 steps of 16 x 256 tokens)
+Cost (measured on the 2-core dev machine): the default llama build (1000 steps of 8 x 256 tokens)
 takes about BUILD_TIME_NOTE and reaches a training loss of about LOSS_NOTE. `ensure_tiny_target`
 builds once into ${EAGLE3_CACHE:-~/.cache/eagle3-pipeline}/tiny-targets/<family>-<hash>/ and reuses it.
 
@@ -52,8 +52,8 @@ MAX_POSITION_EMBEDDINGS = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 # Training defaults of the embedded target (the cache key includes them).
-DEFAULT_STEPS = 1200
-DEFAULT_BATCH_SIZE = 16
+DEFAULT_STEPS = 1000
+DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEQ_LEN = 256
 DEFAULT_LR = 3e-3
 CORPUS_CONVERSATIONS = 4000
@@ -61,7 +61,10 @@ CORPUS_CONVERSATIONS = 4000
 # Qwen3-style: one block per message; an assistant message with reasoning gets a think block.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{%- set content = message['content'] if message['content'] is string else '' -%}"
+    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
+    "{%- elif message['content'] -%}"
+    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') -%}"
+    "{%- else -%}{%- set content = '' -%}{%- endif -%}"
     "{%- set reasoning = message.get('reasoning') or message.get('reasoning_content') or '' -%}"
     "{%- if message['role'] == 'assistant' and reasoning -%}"
     "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
@@ -411,6 +414,16 @@ def build_tokenizer(conversations: list[list[dict]], vocab_size: int = VOCAB_SIZ
 # Model
 # ---------------------------------------------------------------------------------------------
 
+def _portable_tokenizer_config(out: Path) -> None:
+    """Make tokenizer_config.json readable by older transformers too (vLLM on a GPU cluster may
+    pin 4.x): the generic fast-tokenizer class and the chat template inline."""
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def model_config(family: str, vocab_size: int, pad_id: int, eos_id: int):
     """The transformers config of a tiny target of `family`."""
     import transformers
@@ -499,7 +512,7 @@ def _torch_threads(n: int):
 
 
 def build_tiny_target(out_dir: str | os.PathLike, family: str = "llama", train: bool | None = None, steps: int | None = None,
-                      seed: int = 0, dtype: str = "bfloat16", num_conversations: int = CORPUS_CONVERSATIONS,
+                      seed: int = 0, dtype: str = "float32", num_conversations: int = CORPUS_CONVERSATIONS,
                       progress: bool = True) -> dict:
     """Build a tiny target into `out_dir` (created; existing files are overwritten). Returns build info.
 
@@ -541,6 +554,7 @@ def build_tiny_target(out_dir: str | os.PathLike, family: str = "llama", train: 
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    _portable_tokenizer_config(out)
     info["build_seconds"] = round(time.time() - t0, 1)
     (out / "tiny_target_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info

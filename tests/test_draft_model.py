@@ -22,6 +22,15 @@ from common.errors import ConfigError, DataError
 H, H_T, V, V_D = 64, 48, 300, 100
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to other processes on the machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_config(**kw) -> DraftModelConfig:
     base = dict(hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 vocab_size=V, draft_vocab_size=V_D, target_hidden_size=H_T, aux_layer_ids=[1, 2, 3],

@@ -67,7 +67,7 @@ def structured_samples(n: int, seed: int, prefix: str) -> list[dict]:
 
 
 def base_config(run_dir: Path, target: Path, **train) -> dict:
-    t = {"ttt_steps": 3, "max_steps": 40, "lr": 3e-3, "warmup_ratio": 0.1, "batch_max_tokens": 256,
+    t = {"ttt_steps": 3, "max_steps": 40, "lr": 1e-2, "warmup_ratio": 0.05, "grad_clip": 1.0, "batch_max_tokens": 256,
          "log_every": 1, "eval_every": 20, "checkpoint_every": 10, "keep_checkpoints": 2, "seed": 0,
          "weight_decay": 0.01}
     t.update(train)
@@ -320,8 +320,8 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, step: int, time
 def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     from safetensors.torch import load_file
 
-    steps = 120
-    kw = dict(max_steps=steps, checkpoint_every=10, eval_every=50, log_every=3)
+    steps = 30
+    kw = dict(max_steps=steps, checkpoint_every=5, eval_every=12, log_every=2, batch_max_tokens=160)
     ref_cfg = clone_run(train_fixture, tmp_path / "ref", **kw)
     cut_cfg = clone_run(train_fixture, tmp_path / "cut", **kw)
     env = subprocess_env()
@@ -332,7 +332,7 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     cut_run = tmp_path / "cut" / "run"
     proc = subprocess.Popen(stage_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 20)
+        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 10)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)

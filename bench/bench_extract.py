@@ -1,0 +1,153 @@
+"""Benchmark stage 02: extraction time vs a bare forward pass, and bytes written per token.
+
+For each target config (random init, built locally) it writes tokenized data, then alternates
+  bare    the target's decoder stack over exactly the batches extraction uses (same shards, same
+          sort, same padding), no hooks, nothing written; and the full CausalLM forward (with the
+          lm_head over the vocab) for reference;
+  extract run_extraction(..., overwrite=True): hooks, copies to CPU, shard writing + sha256, index.
+Each is repeated and the fastest run kept (the dev machine is shared). Reported:
+  extract / bare   target: <= 1.15 (the shard loop only; model loading and the input scan excluded,
+                   and printed separately as end-to-end time)
+  bytes/token      written bytes / tokens vs the format's minimum ((n_aux+1)*H*dtype + 9 B ids/mask)
+
+    python bench/bench_extract.py                    # tiny + medium
+    python bench/bench_extract.py --configs tiny --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = {
+    # name: (hidden, layers, heads, kv heads, intermediate, vocab, samples, (min len, max len))
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                 vocab_size=2048, samples=192, lengths=(64, 512)),
+    "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                   intermediate_size=2816, vocab_size=32000, samples=24, lengths=(64, 384)),
+}
+
+
+def build(root: Path, name: str, spec: dict, target_dtype):
+    import torch
+    import transformers
+
+    model_dir = root / f"{name}-model"
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **{k: v for k, v in spec.items() if k not in ("samples", "lengths")})
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).to(target_dtype).save_pretrained(model_dir)
+    run_dir = root / f"{name}-run"
+    (run_dir / "data").mkdir(parents=True)
+    rng = random.Random(0)
+    with open(run_dir / "data" / "train.jsonl", "w") as f:
+        for i in range(spec["samples"]):
+            n = rng.randint(*spec["lengths"])
+            f.write(json.dumps({"id": f"s{i}", "input_ids": [rng.randrange(spec["vocab_size"]) for _ in range(n)],
+                                "loss_mask": [1] * n}) + "\n")
+    return model_dir, run_dir
+
+
+def bare_forward_seconds(cfg, model_dir: Path, run_dir: Path, full: bool) -> float:
+    """The same batches as extraction, decoder stack (or full CausalLM) only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.extract import find_decoder_stack, make_batches, pad_batch, read_shard_samples
+    from common.model_loading import torch_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(cfg.target.dtype)).eval()
+    stack = find_decoder_stack(model, model.config.num_hidden_layers)
+    plan = json.loads((run_dir / "hidden" / "plan.json").read_text())
+    shards = []
+    for shard in plan["shards"]:  # read inputs outside the timed region, like extraction's overlap
+        samples = read_shard_samples(run_dir / "data" / f"{shard['split']}.jsonl", shard)
+        shards.append(samples)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for samples in shards:
+            for lo, hi in make_batches([len(s["input_ids"]) for s in samples], cfg.extract.batch_max_tokens):
+                ids, mask, _ = pad_batch(samples[lo:hi])
+                (model if full else stack)(input_ids=ids, attention_mask=mask, use_cache=False)
+    return time.perf_counter() - start
+
+
+def bench_one(root: Path, name: str, spec: dict, args) -> dict:
+    import torch
+
+    from common.config import config_from_dict
+    from common.extract import bytes_per_token, run_extraction
+    from common.model_loading import torch_dtype
+
+    model_dir, run_dir = build(root, name, spec, torch_dtype(args.target_dtype))
+    cfg = config_from_dict({
+        "run_dir": str(run_dir),
+        "target": {"model": str(model_dir), "aux_layer_ids": [1, spec["num_hidden_layers"] // 2, spec["num_hidden_layers"] - 1],
+                   "dtype": args.target_dtype},
+        "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": args.batch_max_tokens,
+                    "shard_max_tokens": args.shard_max_tokens},
+    })
+    run_extraction(cfg)  # warm-up run; also writes the plan the bare pass reuses
+    bare, full, extract, wall = [], [], [], []
+    for _ in range(args.repeats):
+        bare.append(bare_forward_seconds(cfg, model_dir, run_dir, full=False))
+        full.append(bare_forward_seconds(cfg, model_dir, run_dir, full=True))
+        start = time.perf_counter()
+        summary = run_extraction(cfg, overwrite=True)
+        wall.append(time.perf_counter() - start)
+        extract.append(summary["seconds"])
+    index = json.loads((run_dir / "hidden" / "index.json").read_text())
+    tokens, written = index["num_tokens"], index["bytes"]
+    minimum = bytes_per_token(3, spec["hidden_size"], "bfloat16")
+    return {
+        "config": name, "hidden": spec["hidden_size"], "layers": spec["num_hidden_layers"], "tokens": tokens,
+        "shards": index["num_shards"], "threads": torch.get_num_threads(),
+        "bare_s": min(bare), "full_s": min(full), "extract_s": min(extract), "extract_wall_s": min(wall),
+        "ratio_vs_bare": min(extract) / min(bare), "ratio_vs_full": min(extract) / min(full),
+        "bytes_per_token": written / tokens, "min_bytes_per_token": minimum, "bytes_overhead": written / tokens / minimum,
+        "tok_per_s": tokens / min(extract),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--target-dtype", default="float32",
+                        help="target compute dtype (float32 on CPU: bf16 matmuls are emulated and ~7x slower here)")
+    parser.add_argument("--batch-max-tokens", type=int, default=4096)
+    parser.add_argument("--shard-max-tokens", type=int, default=16384)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    import logging
+
+    logging.disable(logging.WARNING)
+    root = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    results = []
+    try:
+        for name in args.configs:
+            results.append(bench_one(root, name, CONFIGS[name], args))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(f"{'config':8} {'H':>5} {'L':>2} {'tokens':>7} {'bare s':>8} {'full s':>8} {'extract s':>9} {'ext/bare':>8} "
+          f"{'ext/full':>8} {'tok/s':>8} {'B/token':>8} {'min B/tok':>9} {'overhead':>8}")
+    for r in results:
+        print(f"{r['config']:8} {r['hidden']:>5} {r['layers']:>2} {r['tokens']:>7} {r['bare_s']:>8.2f} {r['full_s']:>8.2f} "
+              f"{r['extract_s']:>9.2f} {r['ratio_vs_bare']:>8.3f} {r['ratio_vs_full']:>8.3f} {r['tok_per_s']:>8.0f} "
+              f"{r['bytes_per_token']:>8.1f} {r['min_bytes_per_token']:>9} {r['bytes_overhead']:>8.4f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
