@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CONFIGS = {
     # name: (hidden, layers, heads, kv heads, intermediate, vocab, samples, (min len, max len))
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
-                 vocab_size=2048, samples=192, lengths=(64, 512)),
+                 vocab_size=2048, samples=64, lengths=(64, 512)),
     "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                   intermediate_size=2816, vocab_size=32000, samples=24, lengths=(64, 384)),
+                   intermediate_size=2816, vocab_size=32000, samples=16, lengths=(64, 384)),
 }
 
 

@@ -32,8 +32,8 @@ Attention implementations (`model.attention_impl`):
     elementwise "diagonal" score per earlier step, a joint fp32 softmax, and the weighted sum.
     Each chunk is checkpointed when gradients are needed, so the backward pass keeps only
     q/k/v and outputs, never the [heads, T, T] probabilities of all chunks at once.
-  - "flex": torch flex_attention over the concatenated step KV with a block mask (CUDA; pass it
-    through torch.compile for speed). Checked against "naive" on CPU in eager mode only.
+  - "flex" (experimental): torch flex_attention over the concatenated step KV with a block mask,
+    compiled on CUDA. Checked against "naive" on CPU in eager mode (forward only); not run on CUDA yet.
   - "naive": the reference: the full (steps*T) x (steps*T) mask, plain softmax attention.
 """
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -145,6 +144,13 @@ class DraftModelConfig:
             "use_cache": True,
         }
         d.update(extra)
+        if "eagle_aux_hidden_state_layer_ids" in extra:  # keep every copy of the ids consistent
+            ids = [int(k) for k in extra["eagle_aux_hidden_state_layer_ids"]]
+            if len(ids) != self.num_aux:
+                raise ConfigError(f"eagle_aux_hidden_state_layer_ids {ids} has {len(ids)} ids, but the draft's fc "
+                                  f"reads {self.num_aux} aux layers ({self.aux_layer_ids})")
+            d["eagle_aux_hidden_state_layer_ids"] = ids
+            d["eagle_config"] = {**d["eagle_config"], "eagle_aux_hidden_state_layer_ids": ids}
         return d
 
     @classmethod
@@ -262,7 +268,7 @@ def squeeze_row(x: torch.Tensor, dims: int) -> torch.Tensor:
 @dataclass
 class AttentionMeta:
     layout: PackedLayout
-    chunk_size: int = 1024
+    chunk_size: int = 512
     checkpoint_chunks: bool = True
     impl: str = "chunked"
     block_masks: dict = field(default_factory=dict)  # flex: one block mask per step count
@@ -283,7 +289,7 @@ def _attend_chunk(q, k0, v0, q_sample, k_sample, q_index, k_index, *diag):
     qg = q.view(C, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * C, d)
     s0 = torch.matmul(qg, k0.permute(1, 2, 0)).float().mul_(scale).view(nkv, g, C, S)
     allowed = (q_sample[:, None] == k_sample[None, :]) & (k_index[None, :] <= q_index[:, None])
-    s0 = s0.masked_fill(~allowed, float("-inf"))
+    s0 = s0.masked_fill_(~allowed, float("-inf"))
     qf = q.float().view(C, nkv, g, d)
     scores = [s0]
     for j in range(n_diag):
@@ -360,7 +366,11 @@ def naive_ttt_attention(q, ks, vs, meta_or_seq_lens) -> torch.Tensor:
 
 
 def flex_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:
-    """flex_attention over [k_0 | k_1 | ... | k_i] with the TTT mask as a block mask."""
+    """flex_attention over [k_0 | k_1 | ... | k_i] with the TTT mask as a block mask.
+
+    Experimental: checked against `naive` on CPU (eager, forward only: flex has no CPU backward);
+    not yet run on CUDA, where it is compiled. "chunked" is the default and exact everywhere.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     T = q.shape[0]
@@ -370,7 +380,9 @@ def flex_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:
         def mask_mod(b, h, q_idx, kv_idx):
             blk = kv_idx // T
             tok = kv_idx - blk * T
-            context = (blk == 0) & (sample[tok] == sample[q_idx]) & (tok <= q_idx)
+            # clamp: block-mask construction may probe indices in the padding past T
+            same_sample = sample[tok.clamp(max=T - 1)] == sample[q_idx.clamp(max=T - 1)]
+            context = (blk == 0) & same_sample & (tok <= q_idx)
             return context | ((blk > 0) & (tok == q_idx))
 
         meta.block_masks[n_steps] = create_block_mask(mask_mod, None, None, T, n_steps * T, device=q.device)
@@ -384,7 +396,7 @@ def _flex_fn():
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.cuda.is_available():
-        return torch.compile(flex_attention, dynamic=False)
+        return torch.compile(flex_attention)  # packed rows vary in length: let dynamo go dynamic
     return flex_attention
 
 
@@ -552,7 +564,7 @@ class Eagle3DraftModel(nn.Module):
 
         self.gradient_checkpointing = False  # checkpoint each (TTT step, layer) call
         self.attention_impl = "chunked"  # chunked | flex | naive
-        self.attn_chunk_size = 1024  # queries per attention chunk
+        self.attn_chunk_size = 512  # queries per attention chunk (transient memory ~ 4 x heads x chunk x sample_len x 4 B)
         self.attn_checkpoint_chunks = True  # recompute chunk scores in backward instead of storing them
         self.reset_parameters()
 

@@ -747,12 +747,13 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
 
     # What is already done and sound?
     entries = read_entries(hidden_dir)
-    planned = {s["file"] for s in plan["shards"]}
+    planned = {s["file"]: s for s in plan["shards"]}
     good: dict[str, dict] = {}
     for name, entry in sorted(entries.items()):
         if name not in planned:
             continue
-        problem = verify_entry(hidden_dir, entry, cfg.extract.verify)
+        same_samples = entry.get("sample_ids") == planned[name]["sample_ids"] and entry.get("split") == planned[name]["split"]
+        problem = verify_entry(hidden_dir, entry, cfg.extract.verify) if same_samples else "recorded for other samples"
         if problem:
             print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
         else:

@@ -312,7 +312,7 @@ class Generator:
         if not any(m.get("role") == "user" for m in history):
             self._record_failure(pid, Failure("prompt has no user message", "DataError", None, False), 0, 0)
             return
-        for i, message in enumerate(history):
+        for message in history:
             conversation.append({"role": message["role"], "content": message.get("content") or ""})
             if message.get("role") != "user":
                 continue
@@ -334,11 +334,13 @@ class Generator:
         for t in turns:
             usage.update(t["usage"])
         last = turns[-1]
+        answer = next(m for m in reversed(conversation) if m["role"] == "assistant")
         row = {
             "id": pid,
             "messages": conversation,
-            "reasoning": last["reasoning"],
-            "content": last["content"],
+            # The final answer as stored in the conversation; turns[] keeps the server's raw text.
+            "reasoning": answer.get("reasoning", ""),
+            "content": answer["content"],
             "finish_reason": last["finish_reason"],
             "usage": dict(usage),
             "turns": turns,

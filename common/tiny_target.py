@@ -445,7 +445,7 @@ def model_config(family: str, vocab_size: int, pad_id: int, eos_id: int):
         cfg = transformers.DeepseekV3Config(
             num_key_value_heads=4, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=8,
             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
-            kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+            kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_mtp_layers=0,
             **common,
         )
         cfg.architectures = ["DeepseekV3ForCausalLM"]
@@ -499,6 +499,21 @@ def train_model(model, stream: list[int], *, steps: int, seed: int = 0, batch_si
     return losses
 
 
+def training_threads() -> int:
+    """2 threads on an idle machine, 1 when it is busy: with more runnable threads than cores,
+    OpenMP spin-waiting makes 2 threads several times slower than 1 (measured here). The
+    result does not depend on it (1 and 2 threads gave bit-identical weights here).
+    EAGLE3_TINY_THREADS overrides."""
+    if os.environ.get("EAGLE3_TINY_THREADS"):
+        return max(1, int(os.environ["EAGLE3_TINY_THREADS"]))
+    cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return 2 if cores >= 2 and busy + 2 <= cores + 0.5 else 1
+
+
 @contextlib.contextmanager
 def _torch_threads(n: int):
     import torch
@@ -542,10 +557,12 @@ def build_tiny_target(out_dir: str | os.PathLike, family: str = "llama", train: 
                             "num_parameters": sum(p.numel() for p in model.parameters())}
     if train and steps > 0:
         stream = _token_stream(tokenizer, conversations)
-        with _torch_threads(min(2, os.cpu_count() or 1)):
+        threads, t_train = training_threads(), time.time()
+        with _torch_threads(threads):
             losses = train_model(model, stream, steps=steps, seed=seed, progress=progress)
         tail = losses[-min(20, len(losses)):]
-        info.update(corpus_tokens=len(stream), first_loss=losses[0], final_loss=sum(tail) / len(tail))
+        info.update(corpus_tokens=len(stream), first_loss=losses[0], final_loss=sum(tail) / len(tail),
+                    train_threads=threads, train_seconds=round(time.time() - t_train, 1))
 
     model.to(getattr(torch, dtype))
     model.config.dtype = dtype

@@ -317,8 +317,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, env: DistEnv, keep: int) -> Optional[Path]:
-    """Every rank calls this (FSDP gathers are collective). Atomic: temp dir, then rename."""
+def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, env: DistEnv, keep: int,
+                    rank_state: Optional[dict] = None) -> Optional[Path]:
+    """Every rank calls this (FSDP gathers are collective). Atomic: temp dir, then rename.
+    rank_state: this rank's extra state (plain tensors/numbers), stored next to its RNG state."""
     from safetensors.torch import save_file
 
     model_sd = full_model_state(draft)
@@ -329,7 +331,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, en
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(env)
-    torch.save(rng_state(), tmp / f"rng-rank{env.rank}.pt")
+    torch.save({"rng": rng_state(), **(rank_state or {})}, tmp / f"rank{env.rank}.pt")
     barrier(env)
     if env.is_main:
         save_file(model_sd, str(tmp / "model.safetensors"))
@@ -360,10 +362,14 @@ def load_checkpoint(path: Path, draft, optimizer, env: DistEnv) -> dict:
     set_model_state_dict(draft, model_sd, options=_sd_options(full_state_dict=True, strict=False))
     blob = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     set_optimizer_state_dict(draft, optimizer, blob["optimizer"], options=_sd_options(full_state_dict=True))
-    rng_file = path / f"rng-rank{env.rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
-    return json.loads((path / "state.json").read_text())
+    state = json.loads((path / "state.json").read_text())
+    rank_file = path / f"rank{env.rank}.pt"
+    state["rank_state"] = {}
+    if rank_file.is_file():  # absent when resuming with more ranks than the checkpoint had
+        rank_state = torch.load(rank_file, weights_only=True)
+        set_rng_state(rank_state.pop("rng"))
+        state["rank_state"] = rank_state
+    return state
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
@@ -562,6 +568,7 @@ def _run(cfg, env: DistEnv, overwrite: bool) -> int:
 
     # Resume.
     step, pos, tokens_seen, elapsed_before, last_train_loss = 0, DataPosition(), 0, 0.0, float("nan")
+    resumed_window: dict = {}
     ckpts = list_checkpoints(ckpt_dir)
     if ckpts:
         ck_step, ck_path = ckpts[-1]
@@ -574,6 +581,7 @@ def _run(cfg, env: DistEnv, overwrite: bool) -> int:
         step, pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
         tokens_seen, elapsed_before = int(state.get("tokens_seen", 0)), float(state.get("elapsed_s", 0.0))
         last_train_loss = float(state.get("last_train_loss", float("nan")))
+        resumed_window = state["rank_state"] if state.get("world_size") == env.world_size else {}
         say(f"04_train: resuming from {ck_path} (step {step}/{total_steps}, epoch {pos.epoch})")
         if state.get("global_micro_batches") != data.micro_per_step:
             say(f"04_train: note: global batch changed from {state.get('global_micro_batches')} to {data.micro_per_step} micro-batches per step")
@@ -600,6 +608,9 @@ def _run(cfg, env: DistEnv, overwrite: bool) -> int:
     K = t.ttt_steps
     window = torch.zeros(2 + 3 * K, dtype=torch.float64)  # loss, tokens, step_loss*K, correct*K, counts*K (global sums)
     window_steps = 0
+    if "log_window" in resumed_window and resumed_window["log_window"].shape == window.shape:
+        # continue the partial logging window of the interrupted run: identical metrics lines
+        window, window_steps = resumed_window["log_window"].clone(), int(resumed_window["window_steps"])
     t_start = time.time()
     t_window = time.time()
     last_eval, grad_norm = None, float("nan")
@@ -630,7 +641,8 @@ def _run(cfg, env: DistEnv, overwrite: bool) -> int:
             "world_size": env.world_size, "grad_accum": t.grad_accum, "global_micro_batches": data.micro_per_step,
             "last_train_loss": last_train_loss,
         }
-        save_checkpoint(ckpt_dir, step, draft, optimizer, state, env, t.keep_checkpoints)
+        save_checkpoint(ckpt_dir, step, draft, optimizer, state, env, t.keep_checkpoints,
+                        rank_state={"log_window": window.clone(), "window_steps": window_steps})
 
     from common.ttt import ttt_loss
 

@@ -128,6 +128,11 @@ def test_config_round_trip_and_vllm_fields():
     assert d["norm_before_residual"] is True and d["tie_word_embeddings"] is False
     assert d["torch_dtype"] == "float16" and d["bos_token_id"] == 5 and d["num_hidden_layers"] == 2
     assert DraftModelConfig.from_vllm_config(d) == cfg
+    # ids passed as extra config update every copy; a wrong count is refused
+    d3 = cfg.to_vllm_config(eagle_aux_hidden_state_layer_ids=[4, 5, 6])
+    assert d3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [4, 5, 6] == d3["eagle_aux_hidden_state_layer_ids"]
+    with pytest.raises(ConfigError, match="aux layers"):
+        cfg.to_vllm_config(eagle_aux_hidden_state_layer_ids=[4, 5])
     # transformers-5 style rope_parameters are understood too
     d2 = dict(d)
     del d2["rope_theta"], d2["rope_scaling"]
@@ -269,6 +274,7 @@ def test_model_chunked_equals_naive_outputs_and_grads(layers):
         torch.testing.assert_close(grads_gc[name], ref_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_attention_forward_equals_naive():
     pytest.importorskip("torch.nn.attention.flex_attention")
     model = make_model(num_hidden_layers=2)

@@ -213,7 +213,7 @@ def test_speculators_config_is_understood_by_vllm(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 TV = 128  # target vocab = target hidden size, so token embeddings can be one-hot
-CHAIN = 64  # tokens 0..63 are not used; the chain lives on S = the odd-ish subset below
+CHAIN = 64  # size of S, the random token subset the chain lives on (= the draft vocab)
 
 
 def chain_setup():

@@ -240,15 +240,14 @@ def test_write_safetensors_round_trip(tmp_path):
 def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path, llama_bf16):
     run_dir = tmp_path / "run"
     write_data(run_dir, n_train=60, n_eval=12, lengths=(20, 120))
-    tree = make_cfg(run_dir, llama_bf16, (1, 2, 3), shard_max_tokens=500, batch_max_tokens=256)
+    tree = make_cfg(run_dir, llama_bf16, (1, 2, 3), shard_max_tokens=400, batch_max_tokens=256)
+    tree["target"]["dtype"] = "float32"  # fp32 compute is ~7x faster than bf16 on this CPU; storage stays bf16
     cfg_path = write_yaml(tmp_path / "run.yaml", tree)
 
-    # Reference: one uninterrupted run in a separate run dir.
+    # Reference: one uninterrupted run (in this process: same CPU kernels and thread count).
     ref_dir = tmp_path / "ref"
     write_data(ref_dir, n_train=60, n_eval=12, lengths=(20, 120))
-    ref_cfg = write_yaml(tmp_path / "ref.yaml", {**tree, "run_dir": str(ref_dir)})
-    done = subprocess.run(stage_cmd(ref_cfg), capture_output=True, text=True, env=stage_env(), cwd=REPO)
-    assert done.returncode == 0, done.stderr
+    assert run_extraction(config_from_dict({**tree, "run_dir": str(ref_dir)}))["complete"]
     reference = shard_bytes(ref_dir)
     ref_index = json.loads((ref_dir / "hidden" / "index.json").read_text())
     assert ref_index["complete"] and len(reference) >= 8
@@ -264,11 +263,12 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path, llama_
             if (run_dir / "hidden").exists() and len(list((run_dir / "hidden").glob("shard-*"))) > before:
                 break
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, 0.3))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         proc.communicate()
+        print(f"attempt {attempt}: killed with {len(list((run_dir / 'hidden').glob('shard-*')))}/{len(reference)} shards")
         # Never a half-written shard under its final name: every indexed shard verifies.
         index = json.loads((run_dir / "hidden" / "index.json").read_text())
         for entry in index["shards"]:
@@ -281,8 +281,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path, llama_
     index = json.loads((run_dir / "hidden" / "index.json").read_text())
     assert index["complete"] and index["shards"] == ref_index["shards"]
     assert not list((run_dir / "hidden").glob(".tmp-*"))
-    again = subprocess.run(stage_cmd(cfg_path), capture_output=True, text=True, env=stage_env(), cwd=REPO)
-    assert again.returncode == 0 and "already complete" in again.stdout
+    assert run_extraction(config_from_dict(tree))["status"] == "complete"
 
 
 def test_missing_truncated_and_corrupted_shards_are_recomputed(tmp_path, llama_bf16, capsys):

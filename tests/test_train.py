@@ -117,6 +117,15 @@ def build_run(root: Path, n_train: int = 64, n_eval: int = 16) -> Path:
     return cfg_path
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine, spinning OpenMP threads cost more than they give."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def train_fixture(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train-fixture")
@@ -252,7 +261,7 @@ def test_micro_batch_contents_match_shards(train_fixture):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_training_learns_and_reports(train_fixture, tmp_path):
+def test_training_learns_and_reports(train_fixture, tmp_path, one_thread):
     from common.config import load_config
     from common.trainer import expected_acceptance_length, run_training
 
@@ -280,8 +289,8 @@ def test_training_learns_and_reports(train_fixture, tmp_path):
     acc = report["step_acc"]
     assert report["tau"]["3"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
     assert report["tau"]["3"] == pytest.approx(expected_acceptance_length(acc, 3))
-    assert acc[0] > 0.5 and report["tau"]["3"] > 1.8
-    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert acc[0] > 0.35 and report["tau"]["3"] > 1.5
+    assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["step_acc"][0] > evals[0]["step_acc"][0]
     # export + summary
     final = run_dir / "train" / "final"
     config = json.loads((final / "config.json").read_text())
@@ -332,7 +341,8 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     cut_run = tmp_path / "cut" / "run"
     proc = subprocess.Popen(stage_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 10)
+        # step 15: mid logging window (log_every=2), so the resumed run must also restore the window
+        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 15)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
@@ -355,8 +365,9 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     steps_logged = [(r["type"], r["step"]) for r in cut_rows]
     assert len(steps_logged) == len(set(steps_logged)), "duplicate metrics lines after resume"
     assert steps_logged == [(r["type"], r["step"]) for r in ref_rows]
-    # the loss curve itself is identical (loss values do not depend on the interruption)
-    assert [r["loss"] for r in cut_rows] == [r["loss"] for r in ref_rows]
+    # the logged curve itself is identical (only tokens/s and elapsed time depend on the interruption)
+    for key in ("loss", "step_losses", "step_acc", "grad_norm", "lr", "tokens", "tau"):
+        assert [r.get(key) for r in cut_rows] == [r.get(key) for r in ref_rows], key
 
     # a third run: already complete
     again = subprocess.run(stage_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)

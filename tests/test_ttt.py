@@ -4,7 +4,6 @@ d2t, chunking invariance, and a loss that falls when training on a fixed batch."
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch

@@ -64,6 +64,7 @@ def test_hand_computed_example(tmp_path):
     assert (torch.arange(4) + d2t).tolist() == [3, 5, 7, 12]
     assert d2t.tolist() == [3, 4, 5, 9]
     assert torch.nonzero(t2d).squeeze(1).tolist() == [3, 5, 7, 12]
+    assert not t2d[15] and not t2d[1]  # only-unmasked and eval-only tokens are never selected
     assert report["draft_vocab_size"] == 4 and report["target_vocab_size"] == 20
     assert report["distinct_tokens_seen"] == 5  # 3, 5, 7, 9, 12
     assert report["num_loss_tokens"] == 13
