@@ -213,8 +213,8 @@ def _size(path: Path) -> str:
     return "?"
 
 
-def print_summary(cfg, timings: list[tuple[str, float, str]]) -> None:
-    banner("pipeline complete")
+def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> None:
+    banner(title)
     print(f"{'stage':<26}{'time':>9}  result")
     for name, secs, status in timings:
         print(f"{name:<26}{secs:>8.1f}s  {status}")
@@ -228,6 +228,91 @@ def print_summary(cfg, timings: list[tuple[str, float, str]]) -> None:
 
         report = json.loads(report_path.read_text())
         print(f"\nmeasured in vLLM: {format_summary(report)}")
+
+
+class Pipeline:
+    """Runs the stages as subprocesses, timing each; owns the vLLM server it starts."""
+
+    def __init__(self, args, cfg):
+        self.args, self.cfg = args, cfg
+        self.logs = cfg.run_path / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.stage_args = ["--config", str(Path(args.config).resolve())] + [a for o in args.overrides for a in ("--set", o)]
+        self.timings: list[tuple[str, float, str]] = []
+        self.current = "start"
+        self.server = None
+
+    def stage(self, name: str, script: str, *extra: str) -> None:
+        self.current = name
+        banner(f"[{name}] {script} {' '.join(extra)}".rstrip())
+        log = self.logs / f"{name}.log"
+        t0 = time.monotonic()
+        code, out = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log)
+        secs = time.monotonic() - t0
+        if code != 0:
+            self.timings.append((name, secs, f"FAILED (exit {code})"))
+            raise StageFailed(name, code, log)
+        # Stages say "already complete" (04: "nothing to do") when they found their outputs.
+        status = "already complete" if re.search(r"already complete|nothing to do", out) else "done"
+        self.timings.append((name, secs, status))
+        print(f"--- {name}: {status} in {secs:.1f}s (log: {log})", flush=True)
+
+    def target(self) -> None:
+        self.current = "target"
+        if self.args.tiny_target:
+            banner(f"[target] tiny {self.args.tiny_target} target -> {self.cfg.target.model}")
+            t0 = time.monotonic()
+            status = prepare_tiny_target(self.cfg, self.args.tiny_target, self.logs)
+            self.timings.append(("target", time.monotonic() - t0, status))
+            print(f"--- target: {status}", flush=True)
+        check_target(self.cfg)
+
+    def generate(self) -> None:
+        """01b and the target-alone baseline of 05 share one server of the target."""
+        self.current = "01b_generate_synthetic"
+        url = self.args.server_url
+        if url is None and (generation_pending(self.cfg) or baseline_pending(self.cfg)):
+            from common.evaluate import target_server
+
+            banner(f"[vllm] starting a vLLM server for {self.cfg.target.model}")
+            t0 = time.monotonic()
+            self.server = target_server(self.cfg, None, log_path=self.logs / "vllm_generate.log").start()
+            url = self.server.base_url
+            self.timings.append(("vllm server start", time.monotonic() - t0, url))
+            print(f"--- vLLM ready at {url} in {time.monotonic() - t0:.1f}s (log: {self.server.log_path})", flush=True)
+        # Without a server 01b only re-checks/re-tokenizes what is already generated.
+        self.stage("01b_generate_synthetic", "01b_generate_synthetic.py", *(["--set", f"generate.base_url={url}"] if url else []))
+        if url is not None:
+            self.stage("05_baseline", "05_evaluate.py", "--baseline-only", "--base-url", url)
+        self.stop_server()
+
+    def stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def run(self) -> str:
+        """All stages in order; returns the summary title."""
+        steps = [
+            ("01_prepare_data", lambda: self.stage("01_prepare_data", "01_prepare_data.py")),
+            ("01b_generate_synthetic", self.generate),
+            *[(name, lambda name=name: self.stage(name, f"{name}.py"))
+              for name in ("02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate")],
+        ]
+        self.target()
+        for name, step in steps:
+            step()
+            if self.args.stop_after == name:
+                return f"pipeline stopped after {name} (--stop-after)"
+        return "pipeline complete"
+
+    def write_timings(self, outcome: str) -> None:
+        from common.io import atomic_write_json
+
+        atomic_write_json(self.logs / "pipeline_timings.json", {
+            "outcome": outcome, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "stages": [{"stage": n, "seconds": round(t, 1), "status": st} for n, t, st in self.timings],
+        })
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,86 +330,31 @@ def main(argv: list[str] | None = None) -> int:
     from common.errors import PipelineError
 
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM cleans up like Ctrl-C
-    base = [sys.executable]
-    common_args = ["--config", str(Path(args.config).resolve())] + [a for o in args.overrides for a in ("--set", o)]
-    timings: list[tuple[str, float, str]] = []
-    server = None
-    current = "config"
+    pipeline = None
+    outcome = "failed"
     try:
         cfg = load_config(args.config, args.overrides)
-        logs = cfg.run_path / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-
-        def stage(name: str, script: str, *extra: str) -> None:
-            nonlocal current
-            current = name
-            banner(f"[{name}] {script} {' '.join(extra)}".rstrip())
-            t0 = time.monotonic()
-            code, out = run_logged(name, base + [str(ROOT / script)] + common_args + list(extra), logs / f"{name}.log")
-            secs = time.monotonic() - t0
-            if code != 0:
-                timings.append((name, secs, f"FAILED (exit {code})"))
-                raise StageFailed(name, code, logs / f"{name}.log")
-            # Stages say "already complete" (04: "nothing to do") when they found their outputs.
-            status = "already complete" if re.search(r"already complete|nothing to do", out) else "done"
-            timings.append((name, secs, status))
-            print(f"--- {name}: {status} in {secs:.1f}s (log: {logs / f'{name}.log'})", flush=True)
-
-        # target
-        current = "target"
-        if args.tiny_target:
-            banner(f"[target] tiny {args.tiny_target} target -> {cfg.target.model}")
-            t0 = time.monotonic()
-            status = prepare_tiny_target(cfg, args.tiny_target, logs)
-            timings.append(("target", time.monotonic() - t0, status))
-            print(f"--- target: {status}", flush=True)
-        check_target(cfg)
-
-        stage("01_prepare_data", "01_prepare_data.py")
-        if args.stop_after == "01_prepare_data":
-            return 0
-
-        # 01b and the target-alone baseline share one server of the target.
-        current = "01b_generate_synthetic"
-        url = args.server_url
-        if url is None and (generation_pending(cfg) or baseline_pending(cfg)):
-            from common.evaluate import target_server
-
-            banner(f"[vllm] starting a vLLM server for {cfg.target.model}")
-            t0 = time.monotonic()
-            server = target_server(cfg, None, log_path=logs / "vllm_generate.log").start()
-            url = server.base_url
-            timings.append(("vllm server start", time.monotonic() - t0, url))
-            print(f"--- vLLM ready at {url} in {time.monotonic() - t0:.1f}s (log: {server.log_path})", flush=True)
-        url_args = ["--set", f"generate.base_url={url}"] if url else []
-        stage("01b_generate_synthetic", "01b_generate_synthetic.py", *url_args)
-        if url is not None:
-            stage("05_baseline", "05_evaluate.py", "--baseline-only", "--base-url", url)
-        if server is not None:
-            server.stop()
-            server = None
-        if args.stop_after == "01b_generate_synthetic":
-            return 0
-
-        for name in ("02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"):
-            stage(name, f"{name}.py")
-            if args.stop_after == name:
-                break
-        print_summary(cfg, timings)
+        pipeline = Pipeline(args, cfg)
+        title = pipeline.run()
+        outcome = "complete"
+        print_summary(cfg, pipeline.timings, title)
         return 0
     except StageFailed as e:
         print(f"\nrun_pipeline: {e}\nlast lines of the log:\n{log_tail(e.log)}", file=sys.stderr)
         print("fix the problem and rerun the same command: finished stages are skipped", file=sys.stderr)
         return e.code if 0 < e.code < 128 else 1
     except PipelineError as e:
-        print(f"run_pipeline: error in {current}: {e}", file=sys.stderr)
+        print(f"run_pipeline: error in {pipeline.current if pipeline else 'config'}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\nrun_pipeline: interrupted during {current}; rerun the same command to resume", file=sys.stderr)
+        outcome = "interrupted"
+        print(f"\nrun_pipeline: interrupted during {pipeline.current if pipeline else 'start'}; rerun the same command to resume",
+              file=sys.stderr)
         return 130
     finally:
-        if server is not None:
-            server.stop()
+        if pipeline is not None:
+            pipeline.stop_server()
+            pipeline.write_timings(outcome)
 
 
 if __name__ == "__main__":

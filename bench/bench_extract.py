@@ -125,8 +125,14 @@ def main() -> None:
                         help="target compute dtype (float32 on CPU: bf16 matmuls are emulated and ~7x slower here)")
     parser.add_argument("--batch-max-tokens", type=int, default=4096)
     parser.add_argument("--shard-max-tokens", type=int, default=16384)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice; 1 avoids OpenMP oversubscription on a busy machine)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     import logging
 

@@ -125,7 +125,8 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     parallel: str = "ddp"  # ddp | fsdp
-    num_workers: int = 0
+    num_workers: int = 0  # background threads reading the next micro-batches from the shards
+    attention_impl: str = "chunked"  # TTT attention: chunked (exact, low memory) | flex (CUDA, compiled) | naive (reference)
 
 
 @dataclass

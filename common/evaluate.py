@@ -322,7 +322,8 @@ def read_offline_report(cfg: Config) -> Optional[dict]:
     """The offline (teacher-forced) numbers 04_train.py wrote to train/eval_report.json.
 
     expected_acceptance_length is its tau at k = evaluate.num_speculative_tokens:
-    1 + sum_{j=1..k} prod_{i<j} step_acc[i] (computed here if 04 did not report that k).
+    1 + sum_{j=1..k} prod_{i<j} step_acc[i] (computed here if 04 did not report that k), and
+    expected_per_position[i] = prod_{j<=i} step_acc[j].
     """
     path = cfg.run_path / "train" / "eval_report.json"
     if not path.is_file():
@@ -333,14 +334,17 @@ def read_offline_report(cfg: Config) -> Optional[dict]:
         return None
     k = cfg.evaluate.num_speculative_tokens
     acc = [float(a) for a in rep.get("step_acc") or []]
+    # Draft position i is accepted only if positions 0..i are: expected rate = prod_{j<=i} acc_j,
+    # the offline counterpart of vLLM's per-position rate.
+    per_pos, prod = [], 1.0
+    for a in acc[:k]:
+        prod *= a
+        per_pos.append(prod)
     tau = (rep.get("tau") or {}).get(str(k))
-    if tau is None and len(acc) >= k:
-        tau, prod = 1.0, 1.0
-        for a in acc[:k]:
-            prod *= a
-            tau += prod
+    if tau is None and len(per_pos) == k:
+        tau = 1.0 + sum(per_pos)
     return {"path": str(path), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
-            "expected_acceptance_length": tau}
+            "expected_per_position": per_pos, "expected_acceptance_length": tau}
 
 
 def format_summary(report: dict) -> str:

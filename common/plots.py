@@ -2,8 +2,8 @@
 
     plot_report(report, "run/train/metrics.jsonl", "run/eval/report.png")
 
-Left: per-position acceptance rate measured in vLLM, next to the offline teacher-forced
-per-step accuracy from train/eval_report.json when there is one. Middle: training loss.
+Left: per-position acceptance rate measured in vLLM, next to the offline prediction from
+train/eval_report.json when there is one (prod of teacher-forced step accuracies up to i). Middle: training loss.
 Right: per-step accuracy over training. Rendered with matplotlib's Agg backend (no display).
 """
 
@@ -36,9 +36,9 @@ def training_curves(metrics_path: str | Path) -> dict:
     return curves
 
 
-def _offline_per_step(report: dict) -> Optional[list[float]]:
-    acc = (report.get("offline") or {}).get("step_acc")
-    return [float(a) for a in acc] if acc else None
+def _offline_per_position(report: dict) -> Optional[list[float]]:
+    expected = (report.get("offline") or {}).get("expected_per_position")
+    return [float(a) for a in expected] if expected else None
 
 
 def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) -> Path:
@@ -51,26 +51,28 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     curves = training_curves(metrics_path)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
 
-    # 1) per-position acceptance in vLLM vs the offline per-step accuracy
+    # 1) per-position acceptance in vLLM vs its offline prediction
     ax = axes[0]
     rates = report.get("per_position_acceptance") or []
     positions = list(range(len(rates)))
-    offline = _offline_per_step(report)
+    offline = _offline_per_position(report)
     width = 0.4 if offline else 0.6
     bars = ax.bar([p - (width / 2 if offline else 0) for p in positions], rates, width=width, label="vLLM (measured)", color="tab:blue")
     for bar, r in zip(bars, rates):
         ax.text(bar.get_x() + bar.get_width() / 2, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=8)
     if offline:
-        # Offline step i accuracy is conditional on the earlier steps being right only in
-        # expectation; shown for comparison, not as the same quantity.
-        n = min(len(offline), max(len(rates), len(offline)))
-        ax.bar([p + width / 2 for p in range(n)], offline[:n], width=width, label="offline per-step acc", color="tab:orange", alpha=0.8)
+        # The offline prediction of the same quantity: prod of teacher-forced step accuracies.
+        ax.bar([p + width / 2 for p in range(len(offline))], offline, width=width, label="offline (prod of step acc)",
+               color="tab:orange", alpha=0.8)
     ax.set_xticks(range(max(len(rates), len(offline or []))))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
     al = report.get("acceptance_length")
     title = f"acceptance length {al:.2f} (k={report.get('num_speculative_tokens')})" if isinstance(al, (int, float)) else "acceptance"
+    offline_al = (report.get("offline") or {}).get("expected_acceptance_length")
+    if isinstance(offline_al, (int, float)):
+        title += f", offline {offline_al:.2f}"
     ax.set_title(title)
     ax.legend(fontsize=8)
 

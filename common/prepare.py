@@ -305,6 +305,11 @@ def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict
         if existing is not None:
             return {**existing, "status": "already_complete"}
 
+    # Rebuilding: the old report goes first, so a crash below can never leave a "complete"
+    # report next to a half-new state; temp files of a killed run are cleared.
+    report_path.unlink(missing_ok=True)
+    for stale in list(prompts_path.parent.glob(f".tmp-{prompts_path.name}.*")) + list(report_path.parent.glob(f".tmp-{report_path.name}.*")):
+        stale.unlink(missing_ok=True)
     t0 = time.time()
     d = cfg.data
     dropped: Counter = Counter()

@@ -410,10 +410,6 @@ def build_tokenizer(conversations: list[list[dict]], vocab_size: int = VOCAB_SIZ
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-
 def _portable_tokenizer_config(out: Path) -> None:
     """Make tokenizer_config.json readable by older transformers too (vLLM on a GPU cluster may
     pin 4.x): the generic fast-tokenizer class and the chat template inline."""
@@ -423,6 +419,10 @@ def _portable_tokenizer_config(out: Path) -> None:
     cfg["chat_template"] = CHAT_TEMPLATE
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
 
 def model_config(family: str, vocab_size: int, pad_id: int, eos_id: int):
     """The transformers config of a tiny target of `family`."""
@@ -631,6 +631,8 @@ def ensure_tiny_target(family: str = "llama", cache_root: str | os.PathLike | No
             return final
         for stale in root.glob(f".tmp-{key}-*"):  # left by a build that crashed
             shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # incomplete (not made by this function): rebuild
+            shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
         try:
             info = build_tiny_target(tmp, family=family, train=train, steps=steps, seed=seed, progress=progress)

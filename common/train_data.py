@@ -333,7 +333,7 @@ class ShardReader:
         )
 
 
-def prefetch(read_fn, items: list, workers: int) -> Iterator:
+def prefetch(read_fn, items, workers: int) -> Iterator:
     """Yield read_fn(item) in order; with workers > 0, up to workers+1 reads run ahead in threads."""
     if workers <= 0:
         for item in items:
@@ -406,7 +406,9 @@ class TrainData:
         """The global micro-batches of an epoch, as lists of sample indices into index.samples."""
         if epoch not in self._epochs:
             packed = pack_micro_batches(self.lengths, self.budget, self.seed, epoch, self.window)
-            self._epochs = {epoch: [[self.samples[i] for i in mb] for mb in packed]}  # keep one epoch cached
+            # keep two epochs: the prefetcher may run into the next one while the loop finishes this one
+            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
+            self._epochs[epoch] = [[self.samples[i] for i in mb] for mb in packed]
             self._epoch_sizes[epoch] = len(packed)
         return self._epochs[epoch]
 
@@ -448,8 +450,17 @@ class TrainData:
                 total += int(self._loss_positions[i])
         return total
 
-    def read_step(self, mine: list[list[int]]) -> Iterator[MicroBatch]:
-        return prefetch(self.reader.read, mine, self.num_workers)
+    def stream(self, pos: DataPosition, num_steps: int) -> Iterator[MicroBatch]:
+        """This rank's micro-batches for `num_steps` steps from `pos`, in order, read ahead by
+        num_workers threads (across step boundaries)."""
+
+        def schedule():
+            p = pos
+            for _ in range(num_steps):
+                mine, p = self.step_micro_batches(p)
+                yield from mine
+
+        return prefetch(self.reader.read, schedule(), self.num_workers)
 
 
 def eval_micro_batches(index: HiddenIndex, budget: int, world_size: int, rank: int) -> tuple[list, int, list[int]]:

@@ -63,7 +63,7 @@ from torch import nn
 
 from common.errors import ConfigError, DataError
 from common.io import JsonlAppender, atomic_write_json, fsync_dir, iter_jsonl, read_json, write_jsonl_atomic
-from common.train_data import DataPosition, HiddenIndex, MicroBatch, TrainData, eval_micro_batches
+from common.train_data import DataPosition, HiddenIndex, TrainData, eval_micro_batches
 
 RERUN_03 = "rerun 03_build_vocab_map.py --overwrite"
 
@@ -236,7 +236,13 @@ def wrap_parallel(draft: nn.Module, env: DistEnv, cfg, dtype: torch.dtype) -> nn
     if not env.distributed:
         return draft
     if cfg.train.parallel == "fsdp":
+        import warnings
+
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # The decoder layers return k/v views; nothing modifies them in place (the 2-process FSDP
+        # test checks the gradients against one process), so this per-call warning is noise.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         frozen = {p for p in draft.parameters() if not p.requires_grad}  # the target embedding: replicated
@@ -387,6 +393,26 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _clean_train_dir(train_dir: Path) -> None:
+    """--overwrite: remove everything this stage wrote."""
+    for name in ("checkpoints", "tb", "final", ".final-tmp", "metrics.jsonl", "eval_report.json"):
+        p = train_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def _final_complete(final_dir: Path, total_steps: int) -> bool:
+    summary = final_dir / "training_summary.json"
+    if not summary.is_file():
+        return False
+    try:
+        return int(json.loads(summary.read_text()).get("step", -1)) >= total_steps
+    except ValueError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------
 # Logging
 
@@ -450,13 +476,12 @@ def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader
     den = max(1.0, float(stats[1]))
     counts = stats[2 + 2 * K :]
     acc = [float(c) / max(1.0, float(m)) for c, m in zip(stats[2 + K : 2 + 2 * K], counts)]
-    ks = sorted({min(3, K), K})
     return {
         "loss": float(stats[0]) / den,
         "step_losses": [float(x) / den for x in stats[2 : 2 + K]],
         "step_acc": acc,
         "step_counts": [int(c) for c in counts],
-        "tau": {str(k): expected_acceptance_length(acc, k) for k in ks},
+        "tau": {str(k): expected_acceptance_length(acc, k) for k in range(1, K + 1)},
         "num_samples": len(index.split_indices("eval")),
     }
 
@@ -465,280 +490,324 @@ def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader
 # The run
 
 
-def _clean_train_dir(train_dir: Path) -> None:
-    for name in ("checkpoints", "tb", "final", ".final-tmp", "metrics.jsonl", "eval_report.json"):
-        p = train_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-
-
-def _final_complete(final_dir: Path, total_steps: int) -> bool:
-    summary = final_dir / "training_summary.json"
-    if not summary.is_file():
-        return False
-    try:
-        s = json.loads(summary.read_text())
-    except ValueError:
-        return False
-    return int(s.get("step", -1)) >= total_steps
-
-
 def run_training(cfg, overwrite: bool = False) -> int:
     env = init_distributed()
     try:
-        return _run(cfg, env, overwrite)
+        return Trainer(cfg, env).run(overwrite)
     finally:
         if env.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(cfg, env: DistEnv, overwrite: bool) -> int:
-    from common.model_loading import load_target_info, load_target_tensors
+class Trainer:
+    """One training run: inputs -> model -> (resume) -> steps with logging, eval, checkpoints -> export."""
 
-    t = cfg.train
-    run_dir = Path(cfg.run_dir)
-    train_dir = run_dir / "train"
-    ckpt_dir = train_dir / "checkpoints"
-    say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
+    def __init__(self, cfg, env: DistEnv):
+        from common.model_loading import load_target_info
 
-    # Inputs, validated before anything is written.
-    index = HiddenIndex.load(run_dir / "hidden")
-    info = load_target_info(cfg)
-    if list(info.aux_layer_ids) != list(index.aux_layer_ids):
-        raise ConfigError(
-            f"the hidden states in {run_dir / 'hidden'} were extracted at aux layers {index.aux_layer_ids} but the config "
-            f"resolves target.aux_layer_ids to {info.aux_layer_ids}; rerun 02_extract_hidden.py --overwrite (or fix target.aux_layer_ids)"
-        )
-    if index.target_hidden_size != info.hidden_size:
-        raise DataError(
-            f"hidden states have width {index.target_hidden_size} but target.model has hidden size {info.hidden_size}; "
-            f"they come from another model: rerun 02_extract_hidden.py --overwrite"
-        )
-    d2t, t2d = load_vocab_map(run_dir, info.vocab_size, cfg.vocab.draft_vocab_size)
-    draft_cfg = build_draft_config(cfg, info, d2t.numel(), index.aux_layer_ids)
+        self.cfg, self.env, self.t = cfg, env, cfg.train
+        self.train_dir = Path(cfg.run_dir) / "train"
+        self.ckpt_dir = self.train_dir / "checkpoints"
+        self.metrics_path = self.train_dir / "metrics.jsonl"
 
-    dtype = resolve_precision(cfg, env.device)
-    on_gpu = env.device.type == "cuda"
-    data = TrainData(index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank, grad_accum=t.grad_accum,
-                     dtype=dtype, num_workers=t.num_workers, pin_memory=on_gpu)
-    total_steps = t.max_steps or data.total_steps(t.epochs)
-    model_fp = fingerprint({"draft": dataclasses.asdict(draft_cfg), "data": index.fingerprint(), "d2t": d2t.tolist()[:64],
-                            "batch_max_tokens": t.batch_max_tokens, "seed": t.seed})
-
-    if overwrite and env.is_main:
-        _clean_train_dir(train_dir)
-    barrier(env)
-    if _final_complete(train_dir / "final", total_steps):
-        say(f"04_train: {train_dir / 'final'} is complete ({total_steps} steps); nothing to do (use --overwrite to retrain)")
-        return 0
-    if env.is_main:
-        train_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_dir.glob(".tmp-step-*") if ckpt_dir.is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)
-    barrier(env)
-
-    # Model, seeded: every rank builds the same initial weights.
-    from common.draft_model import Eagle3DraftModel
-
-    torch.manual_seed(t.seed)
-    random.seed(t.seed + env.rank)
-    np.random.seed(t.seed + env.rank)
-    if not on_gpu:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    target = load_target_tensors(cfg.target.model)
-    draft = Eagle3DraftModel(draft_cfg)
-    draft.load_target_embedding(target["embed"].float())
-    draft.set_vocab_map(d2t, t2d)
-    draft.gradient_checkpointing = t.gradient_checkpointing
-    draft.to(env.device)
-    # The teacher's lm_head: on the device, in the compute dtype; not trained, not saved.
-    lm_head = target["lm_head"].to(env.device, dtype=dtype)
-    del target
-    model = wrap_parallel(draft, env, cfg, dtype)
-
-    trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for n, p in trainable if p.ndim < 2], "weight_decay": 0.0},  # norms (and biases)
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=on_gpu)
-    n_params = sum(p.numel() for _, p in trainable)
-
-    # Resume.
-    step, pos, tokens_seen, elapsed_before, last_train_loss = 0, DataPosition(), 0, 0.0, float("nan")
-    resumed_window: dict = {}
-    ckpts = list_checkpoints(ckpt_dir)
-    if ckpts:
-        ck_step, ck_path = ckpts[-1]
-        state = load_checkpoint(ck_path, draft, optimizer, env)
-        if state.get("fingerprint") != model_fp:
+        # Inputs, validated before anything is written.
+        run_dir = Path(cfg.run_dir)
+        self.index = HiddenIndex.load(run_dir / "hidden")
+        self.info = load_target_info(cfg)
+        if list(self.info.aux_layer_ids) != list(self.index.aux_layer_ids):
             raise ConfigError(
-                f"checkpoint {ck_path} was made with another draft architecture, data set or packing "
-                f"(draft.*, hidden/, vocab/, train.batch_max_tokens or train.seed changed); rerun with --overwrite to start over"
+                f"the hidden states in {run_dir / 'hidden'} were extracted at aux layers {self.index.aux_layer_ids} but the "
+                f"config resolves target.aux_layer_ids to {self.info.aux_layer_ids}; rerun 02_extract_hidden.py --overwrite "
+                f"(or fix target.aux_layer_ids)"
             )
-        step, pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
-        tokens_seen, elapsed_before = int(state.get("tokens_seen", 0)), float(state.get("elapsed_s", 0.0))
-        last_train_loss = float(state.get("last_train_loss", float("nan")))
-        resumed_window = state["rank_state"] if state.get("world_size") == env.world_size else {}
-        say(f"04_train: resuming from {ck_path} (step {step}/{total_steps}, epoch {pos.epoch})")
-        if state.get("global_micro_batches") != data.micro_per_step:
-            say(f"04_train: note: global batch changed from {state.get('global_micro_batches')} to {data.micro_per_step} micro-batches per step")
-    metrics_path = train_dir / "metrics.jsonl"
-    if env.is_main:
-        dropped = truncate_metrics(metrics_path, step)
-        if dropped:
-            say(f"04_train: dropped {dropped} metrics lines after step {step} (they are recomputed)")
-    barrier(env)
+        if self.index.target_hidden_size != self.info.hidden_size:
+            raise DataError(
+                f"hidden states have width {self.index.target_hidden_size} but target.model has hidden size "
+                f"{self.info.hidden_size}; they come from another model: rerun 02_extract_hidden.py --overwrite"
+            )
+        self.d2t, self.t2d = load_vocab_map(run_dir, self.info.vocab_size, cfg.vocab.draft_vocab_size)
+        self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
 
-    say(
-        f"04_train: draft {n_params / 1e6:.2f}M trainable params (hidden {draft_cfg.hidden_size}, V_d {draft_cfg.draft_vocab_size}), "
-        f"{len(data.samples)} train samples / {data.num_tokens} tokens, {env.world_size} process(es) x grad_accum {t.grad_accum}, "
-        f"{total_steps} steps, {str(dtype).replace('torch.', '')} on {env.device.type}, parallel={t.parallel if env.distributed else 'none'}"
-    )
+        self.dtype = resolve_precision(cfg, env.device)
+        self.on_gpu = env.device.type == "cuda"
+        t = self.t
+        self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank,
+                              grad_accum=t.grad_accum, dtype=self.dtype, num_workers=t.num_workers, pin_memory=self.on_gpu)
+        self.total_steps = t.max_steps or self.data.total_steps(t.epochs)
+        # What a checkpoint must agree with to be resumable (hyper-parameters like lr may change).
+        self.fingerprint = fingerprint({
+            "draft": dataclasses.asdict(self.draft_cfg), "data": self.index.fingerprint(),
+            "d2t": hashlib.sha256(self.d2t.numpy().tobytes()).hexdigest(),
+            "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
+        })
+        from common.draft_model import ATTENTION_IMPLS
 
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if (on_gpu and dtype == torch.bfloat16) else (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == torch.bfloat16 else contextlib.nullcontext)
-    metrics = JsonlAppender(metrics_path, fsync_every=1) if env.is_main else None
-    tb = TensorBoard(train_dir / "tb", env.is_main, purge_step=step + 1 if step else None)
-    from tqdm import tqdm
+        if t.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"train.attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got '{t.attention_impl}'")
+        self.K = t.ttt_steps
+        self.shown_ks = sorted({min(3, self.K), self.K})  # printed; eval_report.json has every k = 1..ttt_steps
+        if self.on_gpu and self.dtype == torch.bfloat16:
+            self.autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+        elif self.dtype == torch.bfloat16:
+            self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        else:
+            self.autocast = contextlib.nullcontext
 
-    bar = tqdm(total=total_steps, initial=step, disable=not env.is_main, dynamic_ncols=True, desc="04_train")
-    K = t.ttt_steps
-    window = torch.zeros(2 + 3 * K, dtype=torch.float64)  # loss, tokens, step_loss*K, correct*K, counts*K (global sums)
-    window_steps = 0
-    if "log_window" in resumed_window and resumed_window["log_window"].shape == window.shape:
-        # continue the partial logging window of the interrupted run: identical metrics lines
-        window, window_steps = resumed_window["log_window"].clone(), int(resumed_window["window_steps"])
-    t_start = time.time()
-    t_window = time.time()
-    last_eval, grad_norm = None, float("nan")
-    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    is_fsdp = env.distributed and t.parallel == "fsdp"
-    params = [p for _, p in trainable]
+    def say(self, *args) -> None:
+        if self.env.is_main:
+            print(*args, flush=True)
 
-    def do_eval(at_step: int):
-        report = evaluate(model, lm_head, index, data.reader, cfg, env, autocast)
+    # -- setup ----------------------------------------------------------------------------
+
+    def build_model(self) -> None:
+        """Draft (seeded: every rank builds the same weights), teacher lm_head, parallel wrapper, AdamW."""
+        from common.draft_model import Eagle3DraftModel
+        from common.model_loading import load_target_tensors
+
+        t, env = self.t, self.env
+        torch.manual_seed(t.seed)
+        random.seed(t.seed + env.rank)
+        np.random.seed(t.seed + env.rank)
+        if not self.on_gpu:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        target = load_target_tensors(self.cfg.target.model)
+        draft = Eagle3DraftModel(self.draft_cfg)
+        draft.load_target_embedding(target["embed"].float())
+        if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:
+            draft.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: same values, half the memory
+        draft.set_vocab_map(self.d2t, self.t2d)
+        draft.gradient_checkpointing = t.gradient_checkpointing
+        draft.attention_impl = t.attention_impl
+        draft.to(env.device)
+        self.draft = draft
+        # The teacher's lm_head: on the device, in the compute dtype; not trained, not saved.
+        self.lm_head = target["lm_head"].to(env.device, dtype=self.dtype)
+        del target
+        self.model = wrap_parallel(draft, env, self.cfg, self.dtype)
+        self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
+        self.is_fsdp = env.distributed and t.parallel == "fsdp"
+
+        trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in trainable]
+        self.n_params = sum(p.numel() for p in self.params)
+        groups = [
+            {"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": t.weight_decay},
+            {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0},  # norms: no decay
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=self.on_gpu)
+
+    def init_state(self) -> None:
+        """Fresh counters, or the latest complete checkpoint's."""
+        self.step, self.pos = 0, DataPosition()
+        self.tokens_seen, self.elapsed_before, self.last_train_loss = 0, 0.0, float("nan")
+        self.window = torch.zeros(2 + 3 * self.K, dtype=torch.float64)  # loss, tokens, step_loss*K, correct*K, counts*K
+        self.window_steps, self.window_time = 0, 0.0
+        self.last_eval = None
+        ckpts = list_checkpoints(self.ckpt_dir)
+        if ckpts:
+            _, path = ckpts[-1]
+            state = load_checkpoint(path, self.draft, self.optimizer, self.env)
+            if state.get("fingerprint") != self.fingerprint:
+                raise ConfigError(
+                    f"checkpoint {path} was made with another draft architecture, data set or packing (draft.*, hidden/, "
+                    f"vocab/, train.batch_max_tokens or train.seed changed); rerun with --overwrite to start over"
+                )
+            self.step, self.pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
+            self.tokens_seen, self.elapsed_before = int(state["tokens_seen"]), float(state["elapsed_s"])
+            self.last_train_loss = float(state.get("last_train_loss", float("nan")))
+            rank_state = state["rank_state"]
+            if state.get("world_size") == self.env.world_size and "log_window" in rank_state:
+                # continue the interrupted run's partial logging window: identical metrics lines
+                self.window = rank_state["log_window"].clone()
+                self.window_steps, self.window_time = int(rank_state["window_steps"]), float(rank_state["window_time"])
+            self.say(f"04_train: resuming from {path} (step {self.step}/{self.total_steps}, epoch {self.pos.epoch})")
+            if state.get("global_micro_batches") != self.data.micro_per_step:
+                self.say(f"04_train: note: the global batch changed from {state.get('global_micro_batches')} to "
+                         f"{self.data.micro_per_step} micro-batches per step")
+        if self.env.is_main:
+            dropped = truncate_metrics(self.metrics_path, self.step)
+            if dropped:
+                self.say(f"04_train: dropped {dropped} metrics lines after step {self.step} (they are recomputed)")
+            report = self.train_dir / "eval_report.json"
+            if report.is_file() and read_json(report).get("step") == self.step:
+                self.last_eval = read_json(report)
+        barrier(self.env)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self, overwrite: bool) -> int:
+        env, t = self.env, self.t
+        if overwrite and env.is_main:
+            _clean_train_dir(self.train_dir)
+        barrier(env)
+        if _final_complete(self.train_dir / "final", self.total_steps):
+            self.say(f"04_train: {self.train_dir / 'final'} is complete ({self.total_steps} steps); nothing to do "
+                     f"(use --overwrite to retrain)")
+            return 0
+        if env.is_main:
+            self.train_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.ckpt_dir.glob(".tmp-step-*") if self.ckpt_dir.is_dir() else []:
+                shutil.rmtree(stale, ignore_errors=True)
+        barrier(env)
+
+        self.build_model()
+        self.init_state()
+        self.say(
+            f"04_train: draft {self.n_params / 1e6:.2f}M trainable params (hidden {self.draft_cfg.hidden_size}, "
+            f"V_d {self.draft_cfg.draft_vocab_size}), {len(self.data.samples)} train samples / {self.data.num_tokens} tokens, "
+            f"{env.world_size} process(es) x grad_accum {t.grad_accum}, {self.total_steps} steps, "
+            f"{str(self.dtype).replace('torch.', '')} on {env.device.type}, parallel={t.parallel if env.distributed else 'none'}"
+        )
+        self.metrics = JsonlAppender(self.metrics_path, fsync_every=1) if env.is_main else None
+        self.tb = TensorBoard(self.train_dir / "tb", env.is_main, purge_step=self.step + 1 if self.step else None)
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not env.is_main, dynamic_ncols=True, desc="04_train")
+        self.t_start = time.time()
+        self.batches = self.data.stream(self.pos, self.total_steps - self.step)
+        self.model.train()
+        while self.step < self.total_steps:
+            self.train_step()
+            done = self.step == self.total_steps
+            if self.step % t.log_every == 0 or done:
+                self.log()
+            if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
+                self.last_eval = self.evaluate() or self.last_eval
+            if self.step % t.checkpoint_every == 0 or done:
+                self.save()
+        self.bar.close()
+        self.finish()
+        return 0
+
+    def train_step(self) -> None:
+        t, env, K = self.t, self.env, self.K
+        from common.ttt import ttt_loss
+
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, self.total_steps, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        mine, next_pos = self.data.step_micro_batches(self.pos)
+        self.tokens_seen += self.data.step_tokens(self.pos)
+        # Each micro-batch loss is a sum over its positions divided by the step-0 position count of
+        # the whole global step, so the step's gradient is the token mean over the global batch
+        # (same for any split into ranks x micro-batches). DDP/FSDP average over ranks: x world_size.
+        denominator = max(1, self.data.step_loss_positions(self.pos))
+        self.optimizer.zero_grad(set_to_none=True)
+        for j in range(len(mine)):
+            mb = next(self.batches)
+            assert mb.sample_ids == [self.index.samples[i].sample_id for i in mine[j]], "data stream out of step"
+            mb = mb.to(env.device, non_blocking=self.on_gpu)
+            last = j == len(mine) - 1
+            sync = self.model.no_sync() if (self.is_ddp and not last) else contextlib.nullcontext()
+            if self.is_fsdp:
+                self.model.set_requires_gradient_sync(last)
+            with sync:
+                with self.autocast():
+                    out = ttt_loss(self.model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
+                                   mb.seq_lens, self.lm_head, K, t.loss_decay, denominator=denominator)
+                (out.loss * env.world_size).backward()
+            w = self.window
+            w[0] += float(out.loss.detach())
+            w[1] += mb.num_tokens
+            w[2 : 2 + K] += torch.tensor(out.step_losses, dtype=torch.float64)
+            w[2 + K : 2 + 2 * K] += torch.tensor(out.step_correct, dtype=torch.float64)
+            w[2 + 2 * K :] += torch.tensor(out.step_counts, dtype=torch.float64)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer.step()
+        self.lr = lr
+        self.step += 1
+        self.pos = next_pos
+        self.window_steps += 1
+        self.window_time += time.perf_counter() - t0
+        self.bar.update(1)
+
+    def log(self) -> None:
+        """One metrics line: means over the steps since the last line, summed over ranks."""
+        K = self.K
+        w = all_reduce_sum(self.window.clone(), self.env)
+        n = max(1, self.window_steps)
+        tok_s = float(w[1]) / max(1e-9, self.window_time)  # training time only (no eval/checkpoint)
+        counts = w[2 + 2 * K :]
+        acc = [float(c) / max(1.0, float(m)) for c, m in zip(w[2 + K : 2 + 2 * K], counts)]
+        self.last_train_loss = float(w[0]) / n
+        self.window.zero_()
+        self.window_steps, self.window_time = 0, 0.0
+        epoch = self.pos.epoch + (self.pos.micro_batch / len(self.data.epoch_micro_batches(self.pos.epoch)) if self.pos.micro_batch else 0.0)
+        row = {
+            "type": "train", "step": self.step, "epoch": round(epoch, 4), "loss": self.last_train_loss,
+            "step_losses": [float(x) / n for x in w[2 : 2 + K]], "step_acc": acc, "lr": self.lr, "grad_norm": self.grad_norm,
+            "tokens_per_s": tok_s, "tokens": self.tokens_seen, "elapsed_s": self.elapsed(),
+        }
+        if self.env.is_main:
+            self.metrics.write(row)
+            self.tb.scalars(self.step, {"train/loss": row["loss"], "train/lr": self.lr, "train/grad_norm": self.grad_norm,
+                                        "train/tokens_per_s": tok_s, **{f"train/acc_{i}": a for i, a in enumerate(acc)}})
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{tok_s:.0f}")
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.t_start
+
+    def evaluate(self) -> Optional[dict]:
+        report = evaluate(self.model, self.lm_head, self.index, self.data.reader, self.cfg, self.env, self.autocast)
         if report is None:
             return None
-        report = {"type": "eval", "step": at_step, **report}
-        if env.is_main:
-            metrics.write(report)
-            atomic_write_json(train_dir / "eval_report.json", report)
-            tb.scalars(at_step, {"eval/loss": report["loss"], **{f"eval/acc_{i}": a for i, a in enumerate(report["step_acc"])},
-                                 **{f"eval/tau_{k}": v for k, v in report["tau"].items()}})
-            taus = ", ".join(f"k={k}: {v:.2f}" for k, v in report["tau"].items())
-            bar.write(f"eval @ step {at_step}: acc per step {[round(a, 3) for a in report['step_acc']]}; expected acceptance length {taus}")
+        report = {"type": "eval", "step": self.step, **report}
+        if self.env.is_main:
+            self.metrics.write(report)
+            atomic_write_json(self.train_dir / "eval_report.json", report)
+            self.tb.scalars(self.step, {"eval/loss": report["loss"], **{f"eval/acc_{i}": a for i, a in enumerate(report["step_acc"])},
+                                        **{f"eval/tau_{k}": v for k, v in report["tau"].items()}})
+            taus = ", ".join(f"k={k}: {report['tau'][str(k)]:.2f}" for k in self.shown_ks)
+            self.bar.write(f"eval @ step {self.step}: accuracy per TTT step {[round(a, 3) for a in report['step_acc']]}; "
+                           f"expected acceptance length at {taus}")
         return report
 
-    def do_checkpoint():
-        if env.is_main:
-            metrics.sync()
+    def save(self) -> None:
+        if self.env.is_main:
+            self.metrics.sync()  # lines up to this step are on disk before the checkpoint that vouches for them
         state = {
-            "step": step, "total_steps": total_steps, "data_position": pos.to_dict(), "fingerprint": model_fp,
-            "tokens_seen": tokens_seen, "elapsed_s": elapsed_before + time.time() - t_start,
-            "world_size": env.world_size, "grad_accum": t.grad_accum, "global_micro_batches": data.micro_per_step,
-            "last_train_loss": last_train_loss,
+            "step": self.step, "total_steps": self.total_steps, "data_position": self.pos.to_dict(),
+            "fingerprint": self.fingerprint, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed(),
+            "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
+            "global_micro_batches": self.data.micro_per_step, "last_train_loss": self.last_train_loss,
         }
-        save_checkpoint(ckpt_dir, step, draft, optimizer, state, env, t.keep_checkpoints,
-                        rank_state={"log_window": window.clone(), "window_steps": window_steps})
+        rank_state = {"log_window": self.window.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
+        save_checkpoint(self.ckpt_dir, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state)
 
-    from common.ttt import ttt_loss
-
-    model.train()
-    while step < total_steps:
-        lr = lr_at(step, total_steps, cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        mine, next_pos = data.step_micro_batches(pos)
-        tokens_seen += data.step_tokens(pos)
-        # Every micro-batch loss is a sum over its positions divided by the step-0 position count of
-        # the whole global step, so the step's gradient is the token mean over the global batch.
-        # DDP/FSDP average gradients over ranks, hence the factor world_size.
-        denominator = max(1, data.step_loss_positions(pos))
-        optimizer.zero_grad(set_to_none=True)
-        for j, mb in enumerate(data.read_step(mine)):
-            mb = mb.to(env.device, non_blocking=on_gpu)
-            last = j == len(mine) - 1
-            sync_ctx = model.no_sync() if (is_ddp and not last) else contextlib.nullcontext()
-            if is_fsdp:
-                model.set_requires_gradient_sync(last)
-            with sync_ctx:
-                with autocast():
-                    out = ttt_loss(model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
-                                   mb.seq_lens, lm_head, K, t.loss_decay, denominator=denominator)
-                (out.loss * env.world_size).backward()
-            window[0] += float(out.loss.detach())
-            window[1] += mb.num_tokens
-            window[2 : 2 + K] += torch.tensor(out.step_losses, dtype=torch.float64)
-            window[2 + K : 2 + 2 * K] += torch.tensor(out.step_correct, dtype=torch.float64)
-            window[2 + 2 * K :] += torch.tensor(out.step_counts, dtype=torch.float64)
-        norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        optimizer.step()
-        step += 1
-        window_steps += 1
-        pos = next_pos
-        bar.update(1)
-
-        if step % t.log_every == 0 or step == total_steps:
-            w = all_reduce_sum(window.clone(), env)
-            window.zero_()
-            now = time.time()
-            n = max(1, window_steps)
-            window_steps = 0
-            tok_s = float(w[1]) / max(1e-9, now - t_window)
-            t_window = now
-            counts = w[2 + 2 * K :]
-            acc = [float(c) / max(1.0, float(m)) for c, m in zip(w[2 + K : 2 + 2 * K], counts)]
-            last_train_loss = float(w[0]) / n
-            row = {
-                "type": "train", "step": step, "epoch": round(pos.epoch + pos.micro_batch / max(1, len(data.epoch_micro_batches(pos.epoch))), 4),
-                "loss": last_train_loss, "step_losses": [float(x) / n for x in w[2 : 2 + K]], "step_acc": acc,
-                "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s, "tokens": tokens_seen,
-                "elapsed_s": elapsed_before + now - t_start,
-            }
-            if env.is_main:
-                metrics.write(row)
-                tb.scalars(step, {"train/loss": row["loss"], "train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tok_s,
-                                  **{f"train/acc_{i}": a for i, a in enumerate(acc)}})
-                bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{tok_s:.0f}")
-        if t.eval_every > 0 and step % t.eval_every == 0 and step < total_steps:
-            last_eval = do_eval(step) or last_eval
-        if step % t.checkpoint_every == 0 or step == total_steps:
-            do_checkpoint()
-    bar.close()
-
-    last_eval = do_eval(step) or last_eval
-    elapsed = elapsed_before + time.time() - t_start
-    export_final(cfg, env, draft, draft_cfg, index, train_dir, {
-        "step": step, "total_steps": total_steps, "tokens": tokens_seen, "elapsed_s": elapsed,
-        "tokens_per_s": tokens_seen / max(1e-9, elapsed), "final_train_loss": last_train_loss, "eval": last_eval,
-        "world_size": env.world_size, "grad_accum": t.grad_accum, "parallel": t.parallel if env.distributed else "none",
-        "trainable_params": n_params, "aux_layer_ids": index.aux_layer_ids, "draft_config": dataclasses.asdict(draft_cfg),
-        "config": cfg.to_dict(),
-    })
-    if env.is_main:
-        metrics.close()
-        tb.close()
-        k3 = (last_eval or {}).get("tau", {})
-        tau_txt = "; ".join(f"expected acceptance length at k={k}: {v:.2f}" for k, v in k3.items()) or "no eval split"
-        say(f"04_train: done: {step} steps, {tokens_seen} tokens in {elapsed:.0f}s ({tokens_seen / max(1e-9, elapsed):.0f} tok/s), "
-            f"final loss {last_train_loss:.4f}; {tau_txt}; draft in {train_dir / 'final'}")
-    return 0
+    def finish(self) -> None:
+        elapsed = self.elapsed()
+        summary = {
+            "step": self.step, "total_steps": self.total_steps, "tokens": self.tokens_seen, "elapsed_s": elapsed,
+            "tokens_per_s": self.tokens_seen / max(1e-9, elapsed), "final_train_loss": self.last_train_loss,
+            "eval": self.last_eval, "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
+            "parallel": self.t.parallel if self.env.distributed else "none", "trainable_params": self.n_params,
+            "aux_layer_ids": self.index.aux_layer_ids, "draft_config": dataclasses.asdict(self.draft_cfg),
+            "config": self.cfg.to_dict(),
+        }
+        export_final(self.cfg, self.env, self.draft, self.draft_cfg, self.index, self.train_dir, summary)
+        if self.env.is_main:
+            self.metrics.close()
+            self.tb.close()
+            taus = (self.last_eval or {}).get("tau", {})
+            tau_txt = "; ".join(f"expected acceptance length at k={k}: {taus[str(k)]:.2f}" for k in self.shown_ks) if taus \
+                else "no eval split"
+            self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "
+                     f"({self.tokens_seen / max(1e-9, elapsed):.0f} tok/s), final loss {self.last_train_loss:.4f}; {tau_txt}; "
+                     f"draft in {self.train_dir / 'final'}")
 
 
 def export_final(cfg, env: DistEnv, draft, draft_cfg, index: HiddenIndex, train_dir: Path, summary: dict) -> None:
     """train/final/: the vLLM-loadable draft + training_summary.json, written by rank 0, atomically."""
     from common.export import export_vllm_draft
 
-    full = full_model_state(draft) if (env.distributed and cfg.train.parallel == "fsdp") else None
+    full = full_model_state(draft) if (env.distributed and cfg.train.parallel == "fsdp") else None  # collective
     if env.is_main:
         tmp, final = train_dir / ".final-tmp", train_dir / "final"
         shutil.rmtree(tmp, ignore_errors=True)
         to_export = draft
-        if full is not None:  # FSDP: rebuild an unsharded copy on CPU
+        if full is not None:  # FSDP: an unsharded copy on CPU
             from common.draft_model import Eagle3DraftModel
 
             to_export = Eagle3DraftModel(draft_cfg)

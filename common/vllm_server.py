@@ -53,9 +53,10 @@ def cuda_available() -> bool:
         return False
 
 
-def _http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+def _http_get(url: str, timeout: float = 5.0, api_key: Optional[str] = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, resp.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         return e.code, ""
@@ -77,6 +78,7 @@ class VllmServer:
         reasoning_parser: Optional[str] = None,
         speculative_config: Optional[dict] = None,
         served_model_name: Optional[str] = None,
+        api_key: Optional[str] = None,  # passed as VLLM_API_KEY (never on the command line)
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 900.0,
         log_path: Optional[str | os.PathLike] = None,
@@ -95,6 +97,7 @@ class VllmServer:
         self.reasoning_parser = reasoning_parser
         self.speculative_config = speculative_config
         self.served_model_name = served_model_name
+        self.api_key = api_key
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
@@ -161,6 +164,8 @@ class VllmServer:
         env = dict(os.environ)
         if not self.on_gpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default is far larger
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         env.update(self.env or {})
         return env
 
@@ -211,7 +216,7 @@ class VllmServer:
             code, _ = _http_get(self.url + "/health", timeout=2.0)
             if code != 200:
                 return False
-            code, body = _http_get(self.base_url + "/models", timeout=5.0)
+            code, body = _http_get(self.base_url + "/models", timeout=5.0, api_key=self.api_key)
             return code == 200 and bool(json.loads(body).get("data"))
         except (OSError, ValueError):
             return False
@@ -260,7 +265,7 @@ class VllmServer:
 
     # ---- metrics
     def metrics(self) -> dict[str, list[tuple[dict, float]]]:
-        return scrape_metrics(self.url)
+        return scrape_metrics(self.url, api_key=self.api_key)
 
 
 # ----------------------------------------------------------------------------- Prometheus
@@ -298,13 +303,13 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
     return dict(out)
 
 
-def scrape_metrics(url: str, timeout: float = 10.0) -> dict[str, list[tuple[dict, float]]]:
+def scrape_metrics(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> dict[str, list[tuple[dict, float]]]:
     """GET {server root}/metrics and parse it. `url` may be the root or the .../v1 base URL."""
     root = url.rstrip("/")
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
     try:
-        code, body = _http_get(root + "/metrics", timeout=timeout)
+        code, body = _http_get(root + "/metrics", timeout=timeout, api_key=api_key)
     except OSError as e:
         raise PipelineError(f"cannot read metrics from {root}/metrics ({e}); is the vLLM server running?") from None
     if code != 200:

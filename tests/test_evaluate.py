@@ -133,7 +133,7 @@ def test_training_curves_and_plot_file(tmp_path):
     assert curves["eval"]["acc"] == {0: [(30, 0.8)], 1: [(30, 0.45)]}
 
     report = {"acceptance_length": 2.31, "num_speculative_tokens": 3, "per_position_acceptance": [0.71, 0.41, 0.19],
-              "offline": {"step_acc": [0.8, 0.45, 0.2, 0.1]}}
+              "offline": {"expected_per_position": [0.8, 0.36, 0.072]}}
     out = plot_report(report, metrics, tmp_path / "eval" / "report.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -293,6 +293,7 @@ def test_stage_report_schema_values_and_resume(run_env, capsys):
     assert report["num_speculative_tokens"] == 3 and report["num_prompts"] == 4
     assert report["offline"]["expected_acceptance_length"] == pytest.approx(2.02)
     assert report["offline"]["step_acc"] == [0.6, 0.5, 0.4, 0.3]
+    assert report["offline"]["expected_per_position"] == pytest.approx([0.6, 0.3, 0.12])
     assert report["outputs"] == {"compared": 4, "identical": 4, "mismatched_ids": [], "greedy": True,
                                  "all_identical": True, "mismatch_examples": []}
     tp = report["throughput"]

@@ -330,7 +330,7 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     from safetensors.torch import load_file
 
     steps = 30
-    kw = dict(max_steps=steps, checkpoint_every=5, eval_every=12, log_every=2, batch_max_tokens=160)
+    kw = dict(max_steps=steps, checkpoint_every=5, eval_every=12, log_every=2, batch_max_tokens=160, num_workers=2)
     ref_cfg = clone_run(train_fixture, tmp_path / "ref", **kw)
     cut_cfg = clone_run(train_fixture, tmp_path / "cut", **kw)
     env = subprocess_env()

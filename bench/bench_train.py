@@ -1,0 +1,128 @@
+"""Benchmark stage 04's training step: the efficient TTT attention vs the naive full-mask reference.
+
+One training step = ttt_loss (teacher from final hidden + unrolled TTT forward) + backward +
+AdamW step, on one packed row of synthetic hidden states, exactly as common.trainer runs it.
+Two draft attention implementations (common.draft_model):
+  chunked  the default: block-causal scores against the step-0 keys plus one elementwise
+           "diagonal" score per earlier TTT step, query chunks checkpointed;
+  naive    the reference: plain attention over the concatenated [k_0 | k_1 | ... | k_i] with the
+           full (steps*T) x (steps*T) mask.
+Each implementation runs in its own subprocess so that peak memory (ru_maxrss minus the resident
+size after setup) is its own. Both must give the same loss (checked, printed).
+
+    python bench/bench_train.py                                  # defaults below, CPU
+    python bench/bench_train.py --tokens 4096 --ttt-steps 7 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(args) -> dict:
+    import torch
+
+    from common.draft_model import DraftModelConfig, Eagle3DraftModel
+    from common.ttt import ttt_loss
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    H, Ht, V, Vd, T = args.hidden, args.hidden, args.vocab, args.draft_vocab, args.tokens
+    cfg = DraftModelConfig(hidden_size=H, intermediate_size=3 * H, num_attention_heads=args.heads,
+                           num_key_value_heads=max(1, args.heads // 2), head_dim=H // args.heads,
+                           vocab_size=V, draft_vocab_size=Vd, target_hidden_size=Ht, aux_layer_ids=[1, 2, 3],
+                           max_position_embeddings=max(4096, T + args.ttt_steps))
+    draft = Eagle3DraftModel(cfg)
+    draft.attention_impl = args.worker
+    d2t = torch.zeros(Vd, dtype=torch.long)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:Vd] = True
+    draft.set_vocab_map(d2t, t2d)
+    lm_head = torch.randn(V, Ht) * 0.5
+    # one packed row: samples of sample_len tokens back to back
+    n = max(1, T // args.sample_len)
+    seq_lens = [args.sample_len] * n
+    seq_lens[-1] += T - sum(seq_lens)
+    aux = torch.randn(T, 3 * Ht)
+    final = torch.randn(T, Ht)
+    ids = torch.randint(0, V, (T,))
+    mask = torch.ones(T, dtype=torch.long)
+    pos = torch.cat([torch.arange(s) for s in seq_lens])
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        out = ttt_loss(draft, aux, ids, final, mask, pos, seq_lens, lm_head, args.ttt_steps, 0.8)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    first = step()  # warm-up (allocator, lazy init); its loss is the comparison value
+    base = rss_bytes()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    best = min(times)
+    return {"impl": args.worker, "tokens": T, "step_s_best": best, "step_s_median": sorted(times)[len(times) // 2],
+            "tokens_per_s": T / best, "peak_extra_bytes": max(0, peak - base), "first_loss": float(first.loss)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per packed micro-batch (T)")
+    ap.add_argument("--sample-len", type=int, default=512, help="tokens per sample inside the packed row")
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (the best one is reported)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = stable on a shared machine)")
+    ap.add_argument("--impls", default="chunked,naive")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    results = {}
+    for impl in args.impls.split(","):
+        cmd = [sys.executable, __file__, "--worker", impl] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "impls")]
+        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        if res.returncode != 0:
+            sys.exit(f"{impl} failed:\n{res.stderr[-3000:]}")
+        results[impl] = json.loads(res.stdout.strip().splitlines()[-1])
+
+    print(f"training step, CPU, {args.threads} thread(s): T={args.tokens} tokens/row (samples of {args.sample_len}), "
+          f"ttt_steps={args.ttt_steps}, hidden={args.hidden}, heads={args.heads}, V={args.vocab}, V_d={args.draft_vocab}")
+    print(f"{'impl':<10}{'step s':>10}{'tokens/s':>12}{'peak MB':>10}{'loss':>12}")
+    for impl, r in results.items():
+        print(f"{impl:<10}{r['step_s_best']:>10.3f}{r['tokens_per_s']:>12.0f}{r['peak_extra_bytes'] / 2**20:>10.0f}{r['first_loss']:>12.5f}")
+    if {"chunked", "naive"} <= results.keys():
+        c, n = results["chunked"], results["naive"]
+        print(f"chunked / naive: {c['tokens_per_s'] / n['tokens_per_s']:.2f}x tokens/s, "
+              f"{c['peak_extra_bytes'] / max(1, n['peak_extra_bytes']):.2f}x peak memory; "
+              f"loss difference {abs(c['first_loss'] - n['first_loss']):.2e}")
+
+
+if __name__ == "__main__":
+    main()
