@@ -688,6 +688,14 @@ def _validate_aux_ids(ids: list[int]) -> None:
         )
 
 
+def _warn_vllm_limits(info) -> None:
+    # vLLM's DeepSeek-V2/V3 stack (also Kimi-K2.x) computes aux = hidden + residual before layer idx,
+    # with residual None before layer 0, so id 0 crashes there (llama-style stacks handle it).
+    if 0 in info.aux_layer_ids and any(s in info.model_type for s in ("deepseek", "kimi")):
+        log.warning("aux layer id 0 (the embeddings) works here but vLLM %s targets cannot capture it "
+                    "(deepseek_v2.py adds a None residual); use ids >= 1 for a draft you will serve", info.model_type)
+
+
 def _max_positions(info) -> int | None:
     value = getattr(info.text_config, "max_position_embeddings", None)
     return int(value) if value else None
@@ -791,6 +799,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     input_paths(Path(cfg.run_dir))  # a missing train.jsonl is reported before any heavy import
     info = load_target_info(cfg)
     _validate_aux_ids(info.aux_layer_ids)
+    _warn_vllm_limits(info)
     hidden_dir = Path(cfg.run_dir) / "hidden"
     dist = Dist.from_env()
     dist.init()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -61,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.errors import ConfigError, DataError
+from common.errors import ConfigError, DataError, PipelineError
 from common.io import JsonlAppender, atomic_write_json, fsync_dir, iter_jsonl, read_json, write_jsonl_atomic
 from common.train_data import DataPosition, HiddenIndex, TrainData, eval_micro_batches
 
@@ -200,6 +201,30 @@ def build_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list[int
     )
 
 
+def _read_target_tensors(model_path: str) -> dict:
+    """The target's embedding and lm_head; a truncated or corrupt weight file is named in the error."""
+    from common.errors import PipelineError
+    from common.model_loading import load_target_tensors
+
+    try:
+        return load_target_tensors(model_path)
+    except PipelineError:
+        raise
+    except Exception as e:
+        from safetensors import safe_open
+
+        bad = model_path
+        for f in sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []:
+            try:
+                with safe_open(str(f), framework="pt"):
+                    pass
+            except Exception:
+                bad = str(f)
+                break
+        raise DataError(f"cannot read the target's embedding / lm_head from {bad} ({str(e).splitlines()[0][:160]}); "
+                        f"the target's weights are truncated or corrupt: re-download or rebuild target.model") from None
+
+
 def resolve_precision(cfg, device: torch.device) -> torch.dtype:
     p = cfg.train.precision
     if p == "auto":
@@ -333,27 +358,54 @@ def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, en
     optim_sd = full_optimizer_state(draft, optimizer)
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".tmp-step-{step}"
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(env)
-    torch.save({"rng": rng_state(), **(rank_state or {})}, tmp / f"rank{env.rank}.pt")
-    barrier(env)
-    if env.is_main:
-        save_file(model_sd, str(tmp / "model.safetensors"))
-        torch.save({"optimizer": optim_sd, "schedule": {"step": step, "kind": "linear_warmup_cosine"}}, tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(ckpt_dir)
-        for _, old in list_checkpoints(ckpt_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(env)
+    with _writing(f"checkpoint {final}", tmp, ckpt_dir):
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(env)
+        torch.save({"rng": rng_state(), **(rank_state or {})}, tmp / f"rank{env.rank}.pt")
+        barrier(env)
+        if env.is_main:
+            save_file(model_sd, str(tmp / "model.safetensors"))
+            torch.save({"optimizer": optim_sd, "schedule": {"step": step, "kind": "linear_warmup_cosine"}}, tmp / "optimizer.pt")
+            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(ckpt_dir)
+            for _, old in list_checkpoints(ckpt_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier(env)
     return final
+
+
+@contextlib.contextmanager
+def _writing(what: str, tmp: Path, where: Path):
+    """Turn a failed write (disk full, quota, permissions) into one clear error; remove the partial temp dir.
+    safetensors and torch.save report a full disk without an errno, so we look at the free space too."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:  # SafetensorError is an Exception subclass
+        raise _write_error(what, e, tmp, where) from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise _write_error(what, e, tmp, where) from None
+
+
+def _write_error(what: str, e: Exception, tmp: Path, where: Path) -> PipelineError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0][:200]
+    try:
+        if shutil.disk_usage(where).free < 64 * 2**20 and os.strerror(errno.ENOSPC) not in reason:
+            reason = f"{os.strerror(errno.ENOSPC)} ({reason})"
+    except OSError:
+        pass
+    return PipelineError(f"cannot write {what}: {reason}; free disk space (or fix permissions) and rerun: "
+                         f"training resumes from the last complete checkpoint")
 
 
 def load_checkpoint(path: Path, draft, optimizer, env: DistEnv) -> dict:
@@ -395,7 +447,7 @@ def fingerprint(obj) -> str:
 
 def _clean_train_dir(train_dir: Path) -> None:
     """--overwrite: remove everything this stage wrote."""
-    for name in ("checkpoints", "tb", "final", ".final-tmp", "metrics.jsonl", "eval_report.json"):
+    for name in ("checkpoints", "tb", "final", ".tmp-final", "metrics.jsonl", "eval_report.json"):
         p = train_dir / name
         if p.is_dir():
             shutil.rmtree(p)
@@ -494,6 +546,11 @@ def run_training(cfg, overwrite: bool = False) -> int:
     env = init_distributed()
     try:
         return Trainer(cfg, env).run(overwrite)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise PipelineError(f"cannot write under {Path(cfg.run_dir) / 'train'}: {e.strerror}; free disk space and rerun: "
+                                f"training resumes from the last complete checkpoint") from None
+        raise
     finally:
         if env.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -562,7 +619,6 @@ class Trainer:
     def build_model(self) -> None:
         """Draft (seeded: every rank builds the same weights), teacher lm_head, parallel wrapper, AdamW."""
         from common.draft_model import Eagle3DraftModel
-        from common.model_loading import load_target_tensors
 
         t, env = self.t, self.env
         torch.manual_seed(t.seed)
@@ -570,7 +626,7 @@ class Trainer:
         np.random.seed(t.seed + env.rank)
         if not self.on_gpu:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        target = load_target_tensors(self.cfg.target.model)
+        target = _read_target_tensors(self.cfg.target.model)
         draft = Eagle3DraftModel(self.draft_cfg)
         draft.load_target_embedding(target["embed"].float())
         if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:
@@ -666,18 +722,31 @@ class Trainer:
         self.t_start = time.time()
         self.batches = self.data.stream(self.pos, self.total_steps - self.step)
         self.model.train()
-        while self.step < self.total_steps:
-            self.train_step()
-            done = self.step == self.total_steps
-            if self.step % t.log_every == 0 or done:
-                self.log()
-            if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
-                self.last_eval = self.evaluate() or self.last_eval
-            if self.step % t.checkpoint_every == 0 or done:
-                self.save()
-        self.bar.close()
-        self.finish()
+        try:
+            while self.step < self.total_steps:
+                self.train_step()
+                done = self.step == self.total_steps
+                if self.step % t.log_every == 0 or done:
+                    self.log()
+                if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
+                    self.last_eval = self.evaluate() or self.last_eval
+                if self.step % t.checkpoint_every == 0 or done:
+                    self.save()
+            self.bar.close()
+            self.finish()
+        finally:
+            self.close_logs()
         return 0
+
+    def close_logs(self) -> None:
+        """Close the progress bar, metrics.jsonl and TensorBoard; after a failure (e.g. a full disk)
+        do it quietly, so that the error is the last line the user sees."""
+        for closer in (self.bar.close, getattr(self.metrics, "close", None), self.tb.close):
+            try:
+                if closer is not None:
+                    closer()
+            except Exception:
+                pass
 
     def train_step(self) -> None:
         t, env, K = self.t, self.env, self.K
@@ -788,8 +857,6 @@ class Trainer:
         }
         export_final(self.cfg, self.env, self.draft, self.draft_cfg, self.index, self.train_dir, summary)
         if self.env.is_main:
-            self.metrics.close()
-            self.tb.close()
             taus = (self.last_eval or {}).get("tau", {})
             tau_txt = "; ".join(f"expected acceptance length at k={k}: {taus[str(k)]:.2f}" for k in self.shown_ks) if taus \
                 else "no eval split"
@@ -800,11 +867,17 @@ class Trainer:
 
 def export_final(cfg, env: DistEnv, draft, draft_cfg, index: HiddenIndex, train_dir: Path, summary: dict) -> None:
     """train/final/: the vLLM-loadable draft + training_summary.json, written by rank 0, atomically."""
+    full = full_model_state(draft) if (env.distributed and cfg.train.parallel == "fsdp") else None  # collective
+    tmp, final = train_dir / ".tmp-final", train_dir / "final"
+    with _writing(f"the final draft {final}", tmp, train_dir):
+        _export_on_main(env, draft, draft_cfg, index, summary, full, tmp, final)
+    barrier(env)
+
+
+def _export_on_main(env, draft, draft_cfg, index, summary, full, tmp: Path, final: Path) -> None:
     from common.export import export_vllm_draft
 
-    full = full_model_state(draft) if (env.distributed and cfg.train.parallel == "fsdp") else None  # collective
     if env.is_main:
-        tmp, final = train_dir / ".final-tmp", train_dir / "final"
         shutil.rmtree(tmp, ignore_errors=True)
         to_export = draft
         if full is not None:  # FSDP: an unsharded copy on CPU
@@ -817,5 +890,4 @@ def export_final(cfg, env: DistEnv, draft, draft_cfg, index: HiddenIndex, train_
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        fsync_dir(train_dir)
-    barrier(env)
+        fsync_dir(final.parent)

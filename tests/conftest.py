@@ -1,6 +1,7 @@
 """Shared pytest fixtures.
 
-- tiny_target_dir (session): the cached, briefly trained tiny Llama target (common/tiny_target.py).
+- tiny_target_dir (session): the cached, briefly trained tiny Llama target (common/tiny_target.py);
+  EAGLE3_TINY_TARGET_DIR=DIR uses an already built one instead.
 - vllm_server (session): one real vLLM server on the tiny target for the whole test session,
   on a free loopback port, with the <think> reasoning parser; stopped at the end. Tests that use
   it must be marked `vllm`.
@@ -26,6 +27,9 @@ TINY_REASONING_PARSER = "deepseek_r1"
 
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
+    # EAGLE3_TINY_TARGET_DIR points the tests at an already built target (debugging, CI caches).
+    if os.environ.get("EAGLE3_TINY_TARGET_DIR"):
+        return Path(os.environ["EAGLE3_TINY_TARGET_DIR"])
     from common.tiny_target import ensure_tiny_target
 
     return ensure_tiny_target("llama")
