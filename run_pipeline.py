@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -82,20 +83,24 @@ def run_logged(name: str, cmd: list[str], log_path: Path) -> tuple[int, str]:
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        fd = proc.stdout.fileno()
+
+        def copy(chunk: bytes) -> None:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            log.write(chunk)
+            log.flush()  # the log is readable while the stage runs
+            captured.extend(chunk)
+
         try:
-            fd = proc.stdout.fileno()
-            while True:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                log.write(chunk)
-                log.flush()  # the log is readable while the stage runs
-                captured += chunk
+            while chunk := os.read(fd, 65536):
+                copy(chunk)
             code = proc.wait()
         except BaseException:
             _stop_child(proc)
+            # Keep what the stage said while stopping ("interrupted; rerun to resume").
+            while select.select([fd], [], [], 5.0)[0] and (chunk := os.read(fd, 65536)):
+                copy(chunk)
             raise
         finally:
             proc.stdout.close()

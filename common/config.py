@@ -31,7 +31,8 @@ class TargetConfig:
     aux_layer_ids: Optional[list[int]] = None
     trust_remote_code: bool = False
     dtype: str = "bfloat16"  # dtype the target runs in during extraction
-    # How 02 places the target: "auto" = one GPU per process if it fits, else device_map sharding.
+    # How 02 places the target: auto | single (one GPU per process) | any transformers
+    # device_map ("balanced", "sequential") to shard a target too big for one GPU.
     device_map: str = "auto"
 
 

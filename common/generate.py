@@ -225,6 +225,9 @@ class RunStats:
     retry_reasons: Counter = field(default_factory=Counter)
     failure_reasons: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
+    # Turns the chat template cannot reproduce exactly: cut by max_tokens ("length"), or
+    # reasoning never closed with </think> (the template closes it when rendering).
+    turn_flags: Counter = field(default_factory=Counter)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     in_flight: int = 0
@@ -330,6 +333,10 @@ class Generator:
                 assistant["reasoning"] = reasoning
             conversation.append(assistant)
             turns.append(turn | {"attempts": n})
+            if turn["finish_reason"] == "length":
+                self.stats.turn_flags["cut_by_max_tokens"] += 1
+            elif reasoning and not content:
+                self.stats.turn_flags["reasoning_not_closed"] += 1
         usage: Counter = Counter()
         for t in turns:
             usage.update(t["usage"])
@@ -673,7 +680,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
         report["this_run"] = {
             "prompts": len(todo), "done": s.done, "failed": s.failed, "requests": s.requests, "retries": s.retries,
             "retry_reasons": dict(s.retry_reasons), "failure_reasons": dict(s.failure_reasons),
-            "finish_reasons": dict(s.finish_reasons), "prompt_tokens": s.prompt_tokens,
+            "finish_reasons": dict(s.finish_reasons), "turn_flags": dict(s.turn_flags), "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens, "elapsed_s": round(el, 3),
             "requests_per_s": round(s.requests / el, 3), "samples_per_s": round(s.done / el, 3),
             "completion_tokens_per_s": round(s.completion_tokens / el, 1),

@@ -50,6 +50,11 @@ def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
             f"{where} = {ids} has duplicates, which vLLM collapses; set distinct ids explicitly, "
             f"e.g. --set target.aux_layer_ids=[1,{max(1, num_layers // 2)},{num_layers - 1}]"
         )
+    if ids != sorted(ids):
+        raise ConfigError(
+            f"{where} = {ids} is not ascending; vLLM hands the draft the aux states in layer order, "
+            f"so list them ascending: {sorted(ids)}"
+        )
     return ids
 
 

@@ -16,7 +16,8 @@ Data position and multiple processes. The packed micro-batches of an epoch form 
 sequence. An optimizer step consumes `world * grad_accum` consecutive micro-batches of it;
 rank r takes the ones at offsets r, r + world, r + 2*world, ... of that step's slice. So one
 process with grad_accum=2 and two processes with grad_accum=1 see exactly the same global
-batches (and, with mean-reduced losses, the same gradients). The last step of an epoch wraps
+batches (and, since the trainer divides every micro-batch loss by the position count of the whole
+global step, the same gradients). The last step of an epoch wraps
 around to the epoch's first micro-batches so that every rank gets the same number of them.
 A position is (epoch, index of the next global micro-batch), which is what a checkpoint stores.
 """
@@ -223,7 +224,7 @@ def pack_micro_batches(
 def _best_fit(items: np.ndarray, lengths: np.ndarray, budget: int) -> list[list[int]]:
     """Best-fit decreasing: each item goes to the open bin with the least room that still fits it."""
     bins: list[list[int]] = []
-    # Open bins sorted by remaining room: parallel lists of (room, creation id).
+    # Open bins as (remaining room, bin id), sorted: bisect finds the tightest bin that fits.
     rooms: list[tuple[int, int]] = []
     for i in items.tolist():
         size = int(lengths[i])

@@ -127,7 +127,11 @@ def test_interrupt_stops_the_stage_process_group(tmp_path):
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         open({str(pidfile)!r}, "w").write(str(p.pid))
         print("stage running", flush=True)
-        time.sleep(600)
+        try:
+            time.sleep(600)
+        except KeyboardInterrupt:
+            print("stage saved its work", flush=True)
+            raise
     """))
     driver = textwrap.dedent(f"""
         import sys
@@ -149,6 +153,7 @@ def test_interrupt_stops_the_stage_process_group(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in out
+    assert "stage saved its work" in log.read_text()  # what the stage said while stopping is kept
     deadline = time.monotonic() + 10
     while alive(grandchild):
         assert time.monotonic() < deadline, f"grandchild {grandchild} survived the interrupt"

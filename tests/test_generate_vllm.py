@@ -175,29 +175,32 @@ def test_prepare_then_generate_on_real_vllm(vllm_server, tiny_target_dir, run_di
 
 @pytest.mark.vllm
 def test_masked_text_is_what_vllm_generated(vllm_server, tiny_target_dir):
-    """For answers that ended with <|im_end|>, the tokens our mask marks decode to exactly the
-    text of the tokens vLLM generated: the reasoning split, the newline normalization and the
-    template re-rendering round-trip. (Token ids can differ where the model sampled a
-    non-canonical split of the same text, which re-tokenization canonicalizes.)"""
+    """For answers that closed their reasoning and ended with <|im_end|>, the tokens our mask
+    marks decode to exactly the text of the tokens vLLM generated: the reasoning split, the
+    newline normalization and the template re-rendering round-trip. (Token ids can differ where
+    the model sampled a non-canonical split of the same text, which re-tokenization
+    canonicalizes; an answer that never closes </think> cannot round-trip, the template closes
+    it: 01b counts those as turn_flags.reasoning_not_closed.)"""
     from openai import OpenAI
 
     tok = load_tokenizer(str(tiny_target_dir))
     client = OpenAI(base_url=vllm_server.base_url, api_key="EMPTY", timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     questions = ["What is 12 plus 30?", "Write a haiku about the moon.", "What is the capital of France?",
-                 "Write a Python function that reverses a string.", "Explain gravity.", "Solve for x: 3x + 4 = 19."]
+                 "Write a Python function that reverses a string.", "Explain gravity.", "Solve for x: 3x + 4 = 19.",
+                 "What is 25% of 80?", "Tell me a fun fact about the octopus."]
     checked = same_ids = 0
     for q in questions:
         messages = [{"role": "user", "content": q}]
         resp = client.chat.completions.create(model=model, messages=messages, max_tokens=256, temperature=0.0,
                                               extra_body={"return_token_ids": True})
         choice = resp.choices[0]
-        if choice.finish_reason != "stop":
-            continue
         generated = list((choice.model_extra or {}).get("token_ids") or [])
         assert generated, "vLLM did not return token_ids"
         turn = parse_completion(resp)
         reasoning, content = normalize_turn(turn["reasoning"], turn["content"])
+        if choice.finish_reason != "stop" or (reasoning and not content):
+            continue
         answer = {"role": "assistant", "content": content} | ({"reasoning": reasoning} if reasoning else {})
         sample = tokenize_conversation(tok, messages + [answer], 4096)
         masked = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]
