@@ -165,6 +165,7 @@ class JsonlAppender:
     def write(self, row: dict) -> None:
         # One write call per line keeps lines whole even if we are killed between rows.
         self._f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._f.flush()  # hand the line to the OS now: a killed process loses nothing it wrote
         self._pending += 1
         if self._pending >= self._fsync_every:
             self.sync()

@@ -7,6 +7,7 @@ shards, and `load_target_info` reads only config.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -142,14 +143,29 @@ def _safetensors_key_index(model_dir: Path) -> dict[str, str]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise DataError(f"no *.safetensors weights in {model_dir}; the target must be stored as safetensors")
-    from safetensors import safe_open
-
     mapping = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with _open_safetensors(f) as sf:
             for key in sf.keys():
                 mapping[key] = f.name
     return mapping
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """safe_open that turns a truncated/corrupt file into a DataError naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as sf:
+            yield sf
+    except (DataError, ConfigError):
+        raise
+    except Exception as e:  # safetensors raises its own error types
+        raise DataError(
+            f"cannot read {path} ({str(e).splitlines()[0][:160]}); "
+            f"the file is truncated or corrupt: re-download or rebuild it"
+        ) from None
 
 
 # Suffixes tried in order; multimodal wrappers prefix "language_model." and similar.
@@ -174,9 +190,6 @@ def load_target_tensors(model_path: str, kinds=("embed", "lm_head")) -> dict:
 
     A tied lm_head (no lm_head tensor stored) returns the embedding for both.
     """
-    import torch
-    from safetensors import safe_open
-
     model_dir = _resolve_local_dir(model_path)
     key_to_file = _safetensors_key_index(model_dir)
     keys = list(key_to_file)
@@ -191,7 +204,7 @@ def load_target_tensors(model_path: str, kinds=("embed", "lm_head")) -> dict:
         path = model_dir / key_to_file[name]
         if not path.is_file():
             raise DataError(f"weight shard {path} listed for {name} is missing; re-download the target")
-        with safe_open(str(path), framework="pt") as sf:
+        with _open_safetensors(path) as sf:
             out[kind] = sf.get_tensor(name)
     return out
 

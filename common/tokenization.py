@@ -71,19 +71,21 @@ def stop_token_ids(tokenizer, model_dir: Optional[str] = None) -> set[int]:
     return ids
 
 
+def _reasoning_of(message: dict) -> str:
+    return next((message[k] for k in REASONING_KEYS if message.get(k)), "") or ""
+
+
 def _template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as the template sees them: reasoning under every key templates use."""
+    """Messages as the template sees them: content never None, reasoning under every key templates use."""
     out = []
     for m in messages:
-        m = {"role": m["role"], "content": m.get("content") or ""} | {
-            k: v for k, v in m.items() if k not in ("role", "content") and k not in REASONING_KEYS
-        }
-        out.append(m)
-    for src, dst in zip(messages, out):
-        reasoning = next((src[k] for k in REASONING_KEYS if src.get(k)), None)
-        if src["role"] == "assistant" and reasoning:
+        t = {k: v for k, v in m.items() if k not in REASONING_KEYS}
+        t["content"] = m.get("content") or ""
+        reasoning = _reasoning_of(m)
+        if m.get("role") == "assistant" and reasoning:
             for k in REASONING_KEYS:
-                dst[k] = reasoning
+                t[k] = reasoning
+        out.append(t)
     return out
 
 
@@ -97,10 +99,6 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, templa
     if not isinstance(text, str):
         raise DataError(f"the chat template returned {type(text).__name__}, expected a string")
     return text
-
-
-def _reasoning_of(message: dict) -> str:
-    return next((message[k] for k in REASONING_KEYS if message.get(k)), "") or ""
 
 
 def assistant_char_spans(

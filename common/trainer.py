@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.errors import ConfigError, DataError, PipelineError
+from common.model_loading import load_target_tensors
 from common.io import JsonlAppender, atomic_write_json, fsync_dir, iter_jsonl, read_json, write_jsonl_atomic
 from common.train_data import DataPosition, HiddenIndex, TrainData, eval_micro_batches
 
@@ -199,30 +200,6 @@ def build_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list[int
         norm_before_residual=d.norm_before_residual,
         hidden_act=str(_text_attr(tc, "hidden_act", "silu")),
     )
-
-
-def _read_target_tensors(model_path: str) -> dict:
-    """The target's embedding and lm_head; a truncated or corrupt weight file is named in the error."""
-    from common.errors import PipelineError
-    from common.model_loading import load_target_tensors
-
-    try:
-        return load_target_tensors(model_path)
-    except PipelineError:
-        raise
-    except Exception as e:
-        from safetensors import safe_open
-
-        bad = model_path
-        for f in sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []:
-            try:
-                with safe_open(str(f), framework="pt"):
-                    pass
-            except Exception:
-                bad = str(f)
-                break
-        raise DataError(f"cannot read the target's embedding / lm_head from {bad} ({str(e).splitlines()[0][:160]}); "
-                        f"the target's weights are truncated or corrupt: re-download or rebuild target.model") from None
 
 
 def resolve_precision(cfg, device: torch.device) -> torch.dtype:
@@ -626,7 +603,7 @@ class Trainer:
         np.random.seed(t.seed + env.rank)
         if not self.on_gpu:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        target = _read_target_tensors(self.cfg.target.model)
+        target = load_target_tensors(self.cfg.target.model)
         draft = Eagle3DraftModel(self.draft_cfg)
         draft.load_target_embedding(target["embed"].float())
         if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:

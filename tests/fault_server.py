@@ -25,7 +25,7 @@ import json
 import random
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 

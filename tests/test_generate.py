@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -366,7 +365,7 @@ def test_sigkill_at_random_moments_then_resume(run_dir, write_config, chat_token
     faults = Faults(seed=7, latency_s=0.08, p_500=0.1, p_reset=0.05, p_torn=0.05)
     with FaultServer(faults) as server:
         cfg_path = config(write_config, server, chat_tokenizer_dir, concurrency=4, fsync_every=3)
-        kills = 0
+        kills = mid_run_kills = 0
         for _ in range(3):
             target = rng.randint(1, 6000)  # bytes in raw_responses.jsonl before the kill
             jitter = rng.uniform(0.0, 0.4)
@@ -387,7 +386,8 @@ def test_sigkill_at_random_moments_then_resume(run_dir, write_config, chat_token
             # After every kill: at most a torn last line, no duplicate ids among whole lines.
             done, dupes = load_done(raw_path) if raw_path.exists() else ({}, 0)
             assert dupes == 0
-        assert kills >= 2
+            mid_run_kills += proc.returncode == -signal.SIGKILL and 0 < len(done) < len(prompts)
+        assert kills >= 2 and mid_run_kills >= 1
         final = run_01b(cfg_path)
         assert final.returncode == 0, final.stderr
     raw, failed = assert_accounted(run_dir, prompts)
