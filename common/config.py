@@ -72,6 +72,12 @@ class TokenizeConfig:
     max_seq_len: int = 2048
     # What to do with samples longer than max_seq_len: "truncate" or "drop".
     overlong: str = "truncate"
+    # Where 01b takes a sample's token ids from: "template" re-renders the stored conversation
+    # with the tokenizer's chat template (loss on every assistant turn); "server" asks vLLM for
+    # the exact ids (`return_token_ids`, vLLM >= 0.10): the last turn's prompt ids (loss 0) +
+    # its completion ids (loss 1). "server" is needed when the template cannot reproduce what
+    # the model generated (e.g. Kimi-K2.5 strips the reasoning of the turn it renders).
+    token_ids_from: str = "template"
 
 
 @dataclass

@@ -13,6 +13,16 @@ Guarantees (DESIGN.md):
 - SIGINT/SIGTERM stop new requests, cancel the in-flight ones, flush, and exit 130;
 - retries with exponential backoff and full jitter for timeouts, connection errors, 429,
   5xx and malformed responses; other 4xx fail at once (retrying cannot fix them).
+
+Token ids (tokenize.token_ids_from):
+- "template" (default): samples are the stored conversation re-rendered with the target's
+  chat template. Checked before the first request: a template that cannot reproduce a
+  generated turn (e.g. Kimi-K2.5's, which strips the reasoning it renders) fails at once.
+- "server": every request asks vLLM for `return_token_ids`; each turn stores the server's
+  `prompt_token_ids` and `completion_token_ids`, and a sample is the last turn's prompt ids
+  (loss 0; earlier turns of a multi-turn conversation sit inside it as the template renders
+  them) + its completion ids (loss 1). Token-exact whatever the template does (what
+  speculators does). A response without ids is a non-retryable failure.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.config import Config, api_key_from_env
-from common.errors import DataError, PipelineError
+from common.errors import ConfigError, DataError, PipelineError
 from common.io import (
     JsonlAppender,
     atomic_write_json,
@@ -129,6 +139,17 @@ class MalformedResponse(Exception):
     """The server answered 200 but not with a usable chat completion."""
 
 
+TOKEN_IDS_FROM = ("template", "server")
+MISSING_TOKEN_IDS = (
+    "server did not return token ids (prompt_token_ids / choices[0].token_ids for return_token_ids=true); "
+    "needs vLLM >= 0.10 or set tokenize.token_ids_from=template"
+)
+
+
+class MissingTokenIds(Exception):
+    """tokenize.token_ids_from=server, and the response has no token ids: retrying cannot help."""
+
+
 @dataclass
 class Failure:
     reason: str
@@ -154,6 +175,8 @@ def classify(exc: BaseException) -> Failure:
             pass
         retryable = code == 429 or code >= 500
         return Failure(f"{name}: {msg}", name, code, retryable, retry_after)
+    if isinstance(exc, MissingTokenIds):
+        return Failure(f"{name}: {msg}", name, None, False)
     if isinstance(exc, (openai.APIConnectionError, MalformedResponse, ValueError, openai.APIResponseValidationError)):
         # APITimeoutError is an APIConnectionError; ValueError covers bodies that are not JSON.
         return Failure(f"{name}: {msg}", name, None, True)
@@ -174,8 +197,19 @@ def _field(obj: Any, name: str) -> Any:
     return value
 
 
+def _token_id_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise MalformedResponse(f"{what} is not a list of integers")
+    return value
+
+
 def parse_completion(resp: Any) -> dict:
-    """A chat completion -> {"reasoning", "content", "finish_reason", "usage"}; MalformedResponse if unusable."""
+    """A chat completion -> {"reasoning", "content", "finish_reason", "usage"}; MalformedResponse if unusable.
+
+    When the response carries vLLM's token ids (request field return_token_ids), they come
+    back as "prompt_token_ids" (response top level) and "completion_token_ids" (the choice's
+    `token_ids`); otherwise those keys are absent.
+    """
     if isinstance(resp, (str, bytes)):
         snippet = resp[:80] if isinstance(resp, str) else resp[:80].decode("utf-8", "replace")
         raise MalformedResponse(f"response body is not JSON: {snippet!r}")
@@ -193,12 +227,39 @@ def parse_completion(resp: Any) -> dict:
         raise MalformedResponse("message reasoning/content is not a string")
     usage = getattr(resp, "usage", None)
     usage = usage.model_dump(exclude_none=True) if hasattr(usage, "model_dump") else (usage or {})
-    return {
+    out = {
         "reasoning": reasoning,
         "content": content,
         "finish_reason": getattr(choice, "finish_reason", None),
         "usage": {k: v for k, v in usage.items() if isinstance(v, (int, float))},
     }
+    prompt_ids, completion_ids = _field(resp, "prompt_token_ids"), _field(choice, "token_ids")
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = _token_id_list(prompt_ids, "prompt_token_ids")
+    if completion_ids is not None:
+        out["completion_token_ids"] = _token_id_list(completion_ids, "choices[0].token_ids")
+    return out
+
+
+def request_extra_body(cfg: Config) -> dict:
+    """generate.extra_body + enable_thinking + return_token_ids (token_ids_from=server)."""
+    extra_body = dict(cfg.generate.extra_body)
+    if cfg.generate.enable_thinking is not None:
+        extra_body["chat_template_kwargs"] = dict(extra_body.get("chat_template_kwargs") or {}) | {
+            "enable_thinking": cfg.generate.enable_thinking}
+    if cfg.tokenize.token_ids_from == "server":
+        extra_body["return_token_ids"] = True
+    return extra_body
+
+
+def token_ids_from(cfg: Config) -> str:
+    if cfg.tokenize.token_ids_from not in TOKEN_IDS_FROM:
+        raise ConfigError(f"tokenize.token_ids_from must be 'template' or 'server', got '{cfg.tokenize.token_ids_from}'")
+    return cfg.tokenize.token_ids_from
+
+
+def has_token_ids(turn: dict) -> bool:
+    return isinstance(turn.get("prompt_token_ids"), list) and isinstance(turn.get("completion_token_ids"), list)
 
 
 def normalize_turn(reasoning: str, content: str) -> tuple[str, str]:
@@ -269,9 +330,8 @@ class Generator:
     # -- one request, with retries
     async def _request(self, messages: list[dict]) -> tuple[dict, int]:
         g = self.g
-        extra_body = dict(g.extra_body)
-        if g.enable_thinking is not None:
-            extra_body.setdefault("chat_template_kwargs", {})["enable_thinking"] = g.enable_thinking
+        extra_body = request_extra_body(self.cfg)
+        need_ids = self.cfg.tokenize.token_ids_from == "server"
         attempt = 0
         while True:
             attempt += 1
@@ -288,6 +348,8 @@ class Generator:
                     extra_body=extra_body or None,
                 )
                 turn = parse_completion(resp)
+                if need_ids and not has_token_ids(turn):
+                    raise MissingTokenIds(MISSING_TOKEN_IDS)
                 turn["latency_s"] = round(time.monotonic() - t0, 3)
                 return turn, attempt
             except asyncio.CancelledError:
@@ -548,19 +610,55 @@ def fingerprint(cfg: Config, done_ids, tokenizer) -> str:
     h = hashlib.sha256()
     for pid in sorted(done_ids):
         h.update(pid.encode() + b"\0")
-    h.update(json.dumps([cfg.tokenize.max_seq_len, cfg.tokenize.overlong, tokenizer_path(cfg), cfg.generate.enable_thinking]).encode())
+    t = cfg.tokenize
+    h.update(json.dumps([t.max_seq_len, t.overlong, tokenizer_path(cfg), cfg.generate.enable_thinking, t.token_ids_from]).encode())
     h.update((getattr(tokenizer, "chat_template", None) or "").encode() if tokenizer is not None else b"")
     return h.hexdigest()
 
 
-def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[str, dict], tokenizer) -> dict:
-    """raw responses -> data/train.jsonl + data/eval.jsonl (atomic). Returns the counts."""
-    from tqdm import tqdm
+def template_kwargs_of(cfg: Config) -> dict:
+    return {} if cfg.generate.enable_thinking is None else {"enable_thinking": cfg.generate.enable_thinking}
 
+
+# A generated turn as the stage stores it; the fail-fast check renders it before any request.
+PROBE_TURNS = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "Hello! How can I help?", "reasoning": "The user greets me; reply briefly."},
+    {"role": "user", "content": "Tell me more."},
+    {"role": "assistant", "content": "Sure, here is more.", "reasoning": "They want more detail."},
+]
+
+
+def check_token_ids_source(cfg: Config, tokenizer, multi_turn: bool) -> None:
+    """Fail fast, before any request: with token_ids_from=template the chat template must
+    reproduce a generated turn (reasoning included), or tokenization would fail only after
+    the whole generation. Probes one turn, and two when some prompt has several user turns."""
+    if token_ids_from(cfg) != "template":
+        return
     from common.tokenization import stop_token_ids, tokenize_conversation
 
-    stop_ids = stop_token_ids(tokenizer, tokenizer_path(cfg))
-    template_kwargs = {} if cfg.generate.enable_thinking is None else {"enable_thinking": cfg.generate.enable_thinking}
+    probe = PROBE_TURNS if multi_turn else PROBE_TURNS[:2]
+    try:
+        tokenize_conversation(tokenizer, probe, 1 << 30, stop_ids=stop_token_ids(tokenizer, tokenizer_path(cfg)),
+                              template_kwargs=template_kwargs_of(cfg))
+    except DataError as e:
+        raise DataError(f"{e}; checked before generating: set tokenize.token_ids_from=server to take token ids "
+                        "from vLLM instead") from None
+
+
+def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[str, dict], tokenizer) -> dict:
+    """raw responses -> data/train.jsonl + data/eval.jsonl (atomic). Returns the counts.
+
+    token_ids_from=template re-renders each conversation with the chat template (every
+    assistant turn learned); =server takes the last turn's ids as vLLM reported them.
+    """
+    from tqdm import tqdm
+
+    from common.tokenization import stop_token_ids, tokenize_conversation, tokenize_server_ids
+
+    from_server = cfg.tokenize.token_ids_from == "server"
+    stop_ids = None if from_server else stop_token_ids(tokenizer, tokenizer_path(cfg))
+    template_kwargs = template_kwargs_of(cfg)
     stats: Counter = Counter()
     out = {"train": [], "eval": []}
     t0 = time.monotonic()
@@ -573,10 +671,23 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             stats["malformed"] += 1
             continue
-        sample = tokenize_conversation(
-            tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
-            stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
-        )
+        if from_server:
+            turns = row.get("turns")
+            last = turns[-1] if isinstance(turns, list) and turns and isinstance(turns[-1], dict) else {}
+            if not has_token_ids(last):
+                stats["missing_token_ids"] += 1
+                continue
+            answer = next((m for m in reversed(messages) if m.get("role") == "assistant"), {})
+            if not (answer.get("content") or "").strip() and not (answer.get("reasoning") or "").strip():
+                stats["empty_assistant"] += 1  # as in template mode: nothing but a stop token
+                continue
+            sample = tokenize_server_ids(last["prompt_token_ids"], last["completion_token_ids"],
+                                         cfg.tokenize.max_seq_len, cfg.tokenize.overlong, stats=stats)
+        else:
+            sample = tokenize_conversation(
+                tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
+                stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
+            )
         if sample is None:
             continue
         split = "eval" if prompt.get("split") == "eval" else "train"
@@ -596,6 +707,7 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
         "seconds": round(time.monotonic() - t0, 3),
         "max_seq_len": cfg.tokenize.max_seq_len,
         "overlong": cfg.tokenize.overlong,
+        "token_ids_from": cfg.tokenize.token_ids_from,
     }
 
 
@@ -626,6 +738,7 @@ def run_stage(cfg: Config, overwrite: bool = False) -> int:
 
 def _run_stage(cfg: Config, overwrite: bool) -> int:
     paths = Paths.of(cfg)
+    from_server = token_ids_from(cfg) == "server"
     if overwrite:
         for p in paths.outputs():
             p.unlink(missing_ok=True)
@@ -642,18 +755,27 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
 
     from common.tokenization import load_tokenizer
 
-    def get_tokenizer():
-        return load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code)
-
-    tokenizer = None
+    # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
+    tokenizer = load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code, require_chat_template=not from_server)
     if not todo:
-        tokenizer = get_tokenizer()
         fp = fingerprint(cfg, [pid for pid in done if pid in prompt_ids], tokenizer)
         if paths.train.is_file() and paths.eval.is_file() and old_report.get("tokenize", {}).get("fingerprint") == fp:
             finalize_failed(paths, prompt_ids, set(done))
             t = old_report["tokenize"]
             print(f"01b_generate_synthetic: already complete ({len(prompts)} samples generated; train {t['train']}, eval {t['eval']}) in {paths.raw.parent}; use --overwrite to redo")
             return 0
+
+    # ... and the chosen source of token ids can work: the template reproduces a generated turn,
+    # or (server) the rows already generated carry ids.
+    multi_turn = any(sum(m.get("role") == "user" for m in p["messages"]) > 1 for p in prompts)
+    check_token_ids_source(cfg, tokenizer, multi_turn)
+    if from_server:
+        lacking = sum(1 for pid, row in done.items() if pid in prompt_ids and not has_token_ids((row.get("turns") or [{}])[-1]))
+        if lacking:
+            raise DataError(
+                f"{lacking} finished row(s) in {paths.raw} have no token ids (generated with tokenize.token_ids_from="
+                "template); rerun with --overwrite to regenerate them with ids, or set tokenize.token_ids_from=template"
+            )
 
     report: dict[str, Any] = {
         "num_prompts": len(prompts),
@@ -666,7 +788,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     gen_stats: Optional[RunStats] = None
     interrupted = False
     if todo:
-        generator, interrupted, model, tok_check, tokenizer = asyncio.run(_generate(cfg, paths, todo, get_tokenizer))
+        generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, paths, todo, tokenizer))
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
         gen_stats = generator.stats
         report |= {"model": model, "tokenizer_check": tok_check}
@@ -710,17 +832,40 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     return 0
 
 
-async def _generate(cfg: Config, paths: Paths, todo: list[dict], get_tokenizer):
+async def check_server_token_ids(client, cfg: Config, model: str) -> None:
+    """token_ids_from=server: one 1-token request must come back with token ids, or every
+    request of the run would (after generating in full). Transient trouble only warns: each
+    real request is checked again."""
+    import openai
+
+    try:
+        resp = await client.with_options(timeout=min(cfg.generate.timeout_s, 60.0)).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0.0,
+            extra_body=request_extra_body(cfg),
+        )
+        turn = parse_completion(resp)
+    except openai.BadRequestError as e:
+        raise PipelineError(f"the server at {cfg.generate.base_url} rejected a request with return_token_ids=true "
+                            f"({' '.join(str(e).split())[:200]}); {MISSING_TOKEN_IDS}") from None
+    except Exception as e:  # noqa: BLE001 - transient: the per-request check still applies
+        log.warning("could not check that the server returns token ids (%s); each request is checked", type(e).__name__)
+        return
+    if not has_token_ids(turn):
+        raise PipelineError(f"the server at {cfg.generate.base_url}: {MISSING_TOKEN_IDS}")
+
+
+async def _generate(cfg: Config, paths: Paths, todo: list[dict], tokenizer):
     client = make_client(cfg)
     try:
-        model = await resolve_model(client, cfg)  # first: an unreachable server fails in a second
-        tokenizer = get_tokenizer()
+        model = await resolve_model(client, cfg)  # first request: an unreachable server fails in a second
         tok_check = await check_tokenizer_matches(client, cfg, model, tokenizer)
         if tok_check != "match":
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
+        if cfg.tokenize.token_ids_from == "server":
+            await check_server_token_ids(client, cfg, model)
         with JsonlAppender(paths.raw, cfg.generate.fsync_every) as raw, JsonlAppender(paths.failed, 1) as failed:
             generator = Generator(cfg, client, model, raw, failed, seed=cfg.data.seed)
             completed = await generator.run(todo)
-        return generator, not completed, model, tok_check, tokenizer
+        return generator, not completed, model, tok_check
     finally:
         await client.close()

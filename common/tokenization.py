@@ -11,9 +11,15 @@ It is template-agnostic. For assistant turn i:
     through = render(messages[:i + 1])                           # ... plus what it produced
 The assistant span is the characters between the two. Both must be prefixes of the full
 rendering (templates that rewrite earlier turns, e.g. drop old reasoning, break this and get
-a DataError). Characters map to tokens through the fast tokenizer's offset mapping. Within
-the span, everything after the last stop token (eos / generation_config eos ids) is template
-text (Qwen's "\\n" after <|im_end|>) and gets 0.
+a DataError). Characters map to tokens through the fast tokenizer's offset mapping; a slow
+tokenizer (no offsets, e.g. Kimi's TikToken one) tokenizes prefix and through separately
+instead, and the first must be a token prefix of the second. Within the span, everything
+after the last stop token (eos / generation_config eos ids) is template text (Qwen's "\\n"
+after <|im_end|>) and gets 0.
+
+`tokenize_server_ids` is the other source of samples (tokenize.token_ids_from=server): the
+exact ids vLLM reports for the last turn, prompt (loss 0) + completion (loss 1). It needs no
+template round trip, so it works for templates that rewrite what the model generated.
 """
 
 from __future__ import annotations
@@ -31,23 +37,20 @@ from common.errors import DataError
 REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The target's fast tokenizer (offset mappings need a fast one)."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, require_chat_template: bool = True):
+    """The target's tokenizer, fast or slow (slow ones, like Kimi's TikToken tokenizer, need
+    trust_remote_code and take the token-prefix path in tokenize_conversation)."""
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
+        hint = "" if trust_remote_code else " (if the model ships its own tokenizer code, set target.trust_remote_code=true)"
         raise DataError(
-            f"cannot load the target tokenizer from '{name_or_path}' ({str(e).splitlines()[0]}); "
-            "set target.tokenizer or target.model to a local model directory"
+            f"cannot load the target tokenizer from '{name_or_path}' ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+            f"set target.tokenizer or target.model to a local model directory{hint}"
         ) from None
-    if not getattr(tok, "is_fast", False):
-        raise DataError(
-            f"the tokenizer at '{name_or_path}' is not a fast tokenizer; loss masks need offset mappings "
-            "(install `tokenizers` and make sure the model ships tokenizer.json)"
-        )
-    if not getattr(tok, "chat_template", None):
+    if require_chat_template and not getattr(tok, "chat_template", None):
         raise DataError(f"the tokenizer at '{name_or_path}' has no chat_template; the target must ship one")
     return tok
 
@@ -170,22 +173,62 @@ def tokenize_conversation(
         return None
 
     text, spans = assistant_char_spans(tokenizer, messages, template_kwargs)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(enc["input_ids"])
-    offsets = enc["offset_mapping"]
+    if getattr(tokenizer, "is_fast", False):
+        input_ids, token_spans = _token_spans_from_offsets(tokenizer, text, spans)
+    else:
+        input_ids, token_spans = _token_spans_from_prefixes(tokenizer, text, spans)
     stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
 
     loss_mask = [0] * len(input_ids)
-    for start, end in spans:
-        # Tokens that begin inside the assistant span.
-        idx = [t for t, (s, e) in enumerate(offsets) if start <= s < end and e > s]
+    for idx in token_spans:
         # Everything after the last stop token is template text the model never generated.
         last_stop = max((j for j, t in enumerate(idx) if input_ids[t] in stop_ids), default=None)
         if last_stop is not None:
             idx = idx[: last_stop + 1]
         for t in idx:
             loss_mask[t] = 1
+    return _fit(input_ids, loss_mask, max_seq_len, overlong, stats)
 
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _token_spans_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+    """Fast tokenizer: the tokens that begin inside each assistant char span."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    for i, (start, end) in enumerate(spans):
+        if any(s < edge < e for s, e in offsets for edge in (start, end)):
+            raise DataError(
+                f"a token of the rendered conversation straddles the start or end of assistant reply {i + 1} (a token "
+                "merges across the boundary between the generation prompt and the reply), so the generated tokens "
+                "cannot be located; set tokenize.token_ids_from=server to take token ids from vLLM instead"
+            )
+    token_spans = [[t for t, (s, e) in enumerate(offsets) if start <= s < end and e > s] for start, end in spans]
+    return list(enc["input_ids"]), token_spans
+
+
+def _token_spans_from_prefixes(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+    """Slow tokenizer (no offsets): tokenize the text up to each span's start and end; both must
+    be token prefixes of the full tokenization, and the span is the tokens between them."""
+    input_ids = _encode(tokenizer, text)
+    token_spans = []
+    for i, (start, end) in enumerate(spans):
+        before, through = _encode(tokenizer, text[:start]), _encode(tokenizer, text[:end])
+        if through[: len(before)] != before or input_ids[: len(through)] != through:
+            raise DataError(
+                f"the target tokenizer is not a fast tokenizer (no offset mappings), and the tokens of the conversation "
+                f"up to assistant reply {i + 1} are not a prefix of the tokens through it (a token merges across "
+                "the boundary between the generation prompt and the reply), so the generated tokens cannot be located; "
+                "set tokenize.token_ids_from=server to take token ids from vLLM instead"
+            )
+        token_spans.append(list(range(len(before), len(through))))
+    return input_ids, token_spans
+
+
+def _fit(input_ids: list[int], loss_mask: list[int], max_seq_len: int, overlong: str, stats: Counter) -> Optional[dict]:
+    """Apply max_seq_len (truncate or drop) and the nothing-to-learn check; count the outcome."""
     if len(input_ids) > max_seq_len:
         if overlong == "drop":
             stats["dropped_overlong"] += 1
@@ -197,3 +240,27 @@ def tokenize_conversation(
         return None
     stats["kept"] += 1
     return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def tokenize_server_ids(
+    prompt_token_ids: list[int],
+    completion_token_ids: list[int],
+    max_seq_len: int,
+    overlong: str = "truncate",
+    *,
+    stats: Optional[Counter] = None,
+) -> Optional[dict]:
+    """A sample from the ids the server reported for one request (tokenize.token_ids_from=server).
+
+    input_ids = prompt ids + completion ids, exactly what the target read and generated; loss 1
+    on the completion (reasoning, </think>, content and the stop token, as sampled), 0 on the
+    prompt. For a multi-turn conversation pass the LAST turn's ids: its prompt holds the earlier
+    turns as the chat template re-renders them (Kimi-K2.5 strips their reasoning), which is not
+    what the model generated then, so they are context with loss 0. Same truncate/drop and
+    skip counting as tokenize_conversation.
+    """
+    stats = stats if stats is not None else Counter()
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    prompt_ids, completion_ids = [int(t) for t in prompt_token_ids], [int(t) for t in completion_token_ids]
+    return _fit(prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids), max_seq_len, overlong, stats)

@@ -6,6 +6,8 @@
   on a free loopback port, with the <think> reasoning parser; stopped at the end. Tests that use
   it must be marked `vllm`.
 - run_dir: a fresh run directory; write_config: writes a config YAML for a test run.
+- build_chat_tokenizer / build_slow_chat_tokenizer: small tokenizers with a given chat template
+  (fast; or slow remote code, the shape of Kimi-K2.5's); KIMI_LIKE_TEMPLATE.
 """
 
 from __future__ import annotations
@@ -83,6 +85,95 @@ def build_chat_tokenizer(out_dir, template: str | None = None, special=("<|endof
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, chat_template=template).save_pretrained(out_dir)
     return Path(out_dir)
+
+
+# A slow tokenizer (no offset mappings) shipped as model code, loaded with trust_remote_code:
+# the shape of Kimi-K2.5's TikToken tokenizer, over the same BPE as build_chat_tokenizer.
+SLOW_TOKENIZER_MODULE = '''\
+# A slow tokenizer (pure-Python interface, no offset mappings) over a byte-level BPE, loaded
+# with trust_remote_code like Kimi-K2.5's TikToken tokenizer. Written by tests/conftest.py.
+
+import json
+import os
+import shutil
+
+from tokenizers import AddedToken, Tokenizer
+from transformers import PreTrainedTokenizer
+
+
+class SlowBPETokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "slow_bpe.json"}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file, **kwargs):
+        self.vocab_file = vocab_file
+        self._bpe = Tokenizer.from_file(vocab_file)
+        self._vocab = self._bpe.get_vocab(with_added_tokens=True)
+        self._ids_to_tokens = {i: t for t, i in self._vocab.items()}
+        added = json.load(open(vocab_file, encoding="utf-8")).get("added_tokens", [])
+        kwargs.setdefault("added_tokens_decoder", {
+            a["id"]: AddedToken(a["content"], special=a["special"], normalized=False, lstrip=False, rstrip=False)
+            for a in added
+        })
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return len(self._vocab)
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+    def _tokenize(self, text, **kwargs):
+        return self._bpe.encode(text, add_special_tokens=False).tokens
+
+    def _convert_token_to_id(self, token):
+        return self._vocab[token]
+
+    def _convert_id_to_token(self, index):
+        return self._ids_to_tokens[index]
+
+    def convert_tokens_to_string(self, tokens):
+        return self._bpe.decoder.decode(tokens)
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        out = os.path.join(save_directory, (filename_prefix + "-" if filename_prefix else "") + "slow_bpe.json")
+        if os.path.abspath(out) != os.path.abspath(self.vocab_file):
+            shutil.copyfile(self.vocab_file, out)
+        return (out,)
+'''
+
+# Kimi-K2.5's chat template in miniature: no newlines between turns, the generation prompt
+# ends with <think>, and every assistant turn is rendered as <think></think>content (its
+# reasoning stripped), so the template cannot reproduce what the model generated.
+KIMI_LIKE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_assistant|>assistant<|im_middle|><think></think>' + message['content'] + '<|im_end|>' -}}"
+    "{%- else -%}"
+    "{{- '<|im_' + message['role'] + '|>' + message['role'] + '<|im_middle|>' + message['content'] + '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|><think>' -}}{%- endif -%}"
+)
+KIMI_LIKE_SPECIAL = ("<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
+
+
+def build_slow_chat_tokenizer(out_dir, template: str | None = None, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                              added=("<think>", "</think>"), eos: str = "<|im_end|>", bos: str | None = None) -> Path:
+    """build_chat_tokenizer's tokenizer as a slow, remote-code tokenizer (load it with
+    trust_remote_code=True): same ids, no offset mappings, is_fast False."""
+    import json
+
+    out_dir = build_chat_tokenizer(out_dir, template, special, added, eos, bos)
+    (out_dir / "tokenizer.json").rename(out_dir / "slow_bpe.json")
+    (out_dir / "slow_bpe_tokenizer.py").write_text(SLOW_TOKENIZER_MODULE, encoding="utf-8")
+    config = json.loads((out_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("backend", None)
+    config["tokenizer_class"] = "SlowBPETokenizer"
+    config["auto_map"] = {"AutoTokenizer": ["slow_bpe_tokenizer.SlowBPETokenizer", None]}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return out_dir
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,10 @@ so the same run sees the same faults regardless of the order requests arrive in.
         ... generate.base_url = server.base_url ...
         server.stats.requests_by_prompt[...]
 
+Requests with `return_token_ids: true` get vLLM's token-id fields (`prompt_token_ids` at the
+top level, `token_ids` in the choice), deterministic too (`expected_token_ids`), unless the
+server plays an old vLLM (token_ids=False) or the last user message holds NO_TOKEN_IDS_MARKER.
+
 CLI (manual experiments): python tests/fault_server.py --port 8001 --p-500 0.1
 """
 
@@ -31,6 +35,7 @@ from typing import Any, Callable, Optional
 
 BAD_REQUEST_MARKER = "[[BAD REQUEST]]"  # prompts containing this always get a 400
 ALWAYS_FAIL_MARKER = "[[ALWAYS 503]]"  # prompts containing this always get a 503
+NO_TOKEN_IDS_MARKER = "[[NO TOKEN IDS]]"  # prompts containing this get no token ids even when asked
 
 FAULT_KINDS = ("hang", "500", "503", "429", "reset", "torn", "non_json", "empty_choices")
 
@@ -88,14 +93,35 @@ def expected_reply(messages: list[dict]) -> dict:
     return {"reasoning": reasoning, "content": content, "reasoning_field": "reasoning" if style == 0 else "reasoning_content"}
 
 
-def completion_body(messages: list[dict], model: str) -> dict:
+# Ids of the fake tokenizer behind expected_token_ids: a Kimi-like layout where the generation
+# prompt ends with <think> and history is rendered without its reasoning.
+ROLE_IDS = {"system": 1, "user": 2, "assistant": 3}
+END_OF_TURN_ID, THINK_ID, END_THINK_ID = 5, 6, 7
+
+
+def _word_ids(text: str) -> list[int]:
+    return [100 + int(hashlib.sha256(w.encode()).hexdigest()[:6], 16) % 400 for w in text.split()]
+
+
+def expected_token_ids(messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(prompt_token_ids, completion token_ids) the server reports for `messages`."""
+    prompt: list[int] = []
+    for m in messages:
+        prompt += [ROLE_IDS.get(m.get("role"), 0)] + _word_ids(str(m.get("content") or "")) + [END_OF_TURN_ID]
+    prompt += [ROLE_IDS["assistant"], THINK_ID]
+    reply = expected_reply(messages)
+    completion = _word_ids(reply["reasoning"]) + [END_THINK_ID] + _word_ids(reply["content"]) + [END_OF_TURN_ID]
+    return prompt, completion
+
+
+def completion_body(messages: list[dict], model: str, token_ids: bool = False) -> dict:
     reply = expected_reply(messages)
     message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
     if reply["reasoning_field"]:
         message[reply["reasoning_field"]] = reply["reasoning"]
     prompt_tokens = sum(len(str(m.get("content") or "").split()) for m in messages)
     completion_tokens = len(reply["content"].split()) + len(reply["reasoning"].split())
-    return {
+    body = {
         "id": "chatcmpl-" + conversation_key(messages)[:12],
         "object": "chat.completion",
         "created": int(time.time()),
@@ -104,6 +130,9 @@ def completion_body(messages: list[dict], model: str) -> dict:
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+    if token_ids:
+        body["prompt_token_ids"], body["choices"][0]["token_ids"] = expected_token_ids(messages)
+    return body
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
@@ -114,8 +143,10 @@ class FaultServer:
     """Runs the fake server on a loopback port in a background thread (its own event loop)."""
 
     def __init__(self, faults: Faults = Faults(), model: str = "fault-model",
-                 tokenize_fn: Optional[Callable[[str], list[int]]] = None, port: int = 0, record_bodies: bool = False):
+                 tokenize_fn: Optional[Callable[[str], list[int]]] = None, port: int = 0, record_bodies: bool = False,
+                 token_ids: bool = True):
         self.faults = faults
+        self.token_ids = token_ids  # False: ignore return_token_ids, like vLLM < 0.10
         self.model = model
         self.tokenize_fn = tokenize_fn
         self.port = port
@@ -270,7 +301,8 @@ class FaultServer:
                 await asyncio.sleep(delay + self.faults.latency_s)
             if kind:
                 s.faults[kind] += 1
-            full = json.dumps(completion_body(messages, self.model)).encode()
+            want_ids = self.token_ids and req.get("return_token_ids") is True and NO_TOKEN_IDS_MARKER not in last_user
+            full = json.dumps(completion_body(messages, self.model, token_ids=want_ids)).encode()
             if kind == "hang":
                 await asyncio.sleep(self.faults.hang_s)
                 return False

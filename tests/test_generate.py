@@ -4,7 +4,10 @@ What must hold whatever the server does: every prompt id ends exactly once in
 raw_responses.jsonl or in failed.jsonl with a reason; 4xx are not retried, transient errors
 and malformed responses are; reruns skip done ids and retry failed ones; SIGKILL at any moment
 loses nothing that was written and never duplicates; SIGTERM exits 130 with no torn line;
-the API key is sent but never written anywhere.
+the API key is sent but never written anywhere. With tokenize.token_ids_from=server the
+samples are the server's ids (last turn's prompt masked, completion learned) and a response
+without ids is a non-retryable failure; with =template a template that cannot reproduce a
+generated turn (Kimi-K2.5's) fails before any request.
 """
 
 from __future__ import annotations
@@ -18,13 +21,24 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, stage_env
-from fault_server import ALWAYS_FAIL_MARKER, BAD_REQUEST_MARKER, FAULT_KINDS, FaultServer, Faults, expected_reply
+from conftest import KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, REPO, build_chat_tokenizer, build_slow_chat_tokenizer, stage_env
+from fault_server import (
+    ALWAYS_FAIL_MARKER,
+    BAD_REQUEST_MARKER,
+    FAULT_KINDS,
+    NO_TOKEN_IDS_MARKER,
+    FaultServer,
+    Faults,
+    expected_reply,
+    expected_token_ids,
+)
 
 from common.config import load_config
-from common.errors import DataError, PipelineError
+from common.errors import ConfigError, DataError, PipelineError
 from common.generate import (
+    MISSING_TOKEN_IDS,
     MalformedResponse,
+    MissingTokenIds,
     backoff_delay,
     classify,
     load_done,
@@ -41,7 +55,8 @@ SCRIPT = str(REPO / "01b_generate_synthetic.py")
 # ----------------------------------------------------------------------------- helpers
 
 
-def make_prompts(run_dir: Path, n: int, *, bad: tuple[int, ...] = (), always_fail: tuple[int, ...] = ()) -> list[dict]:
+def make_prompts(run_dir: Path, n: int, *, bad: tuple[int, ...] = (), always_fail: tuple[int, ...] = (),
+                 no_ids: tuple[int, ...] = ()) -> list[dict]:
     """n prompts: every 4th has a system prompt, every 5th two user turns, every 5th in eval."""
     rows = []
     for i in range(n):
@@ -51,6 +66,8 @@ def make_prompts(run_dir: Path, n: int, *, bad: tuple[int, ...] = (), always_fai
             text += " " + BAD_REQUEST_MARKER
         if i in always_fail:
             text += " " + ALWAYS_FAIL_MARKER
+        if i in no_ids:
+            text += " " + NO_TOKEN_IDS_MARKER
         messages.append({"role": "user", "content": text})
         if i % 5 == 2:
             messages.append({"role": "user", "content": f"Are you sure about {i}?"})
@@ -75,12 +92,14 @@ def expected_conversation(prompt: dict) -> list[dict]:
     return conv
 
 
-def config(write_config, server: FaultServer | str, tokenizer_dir: Path, **generate) -> Path:
+def config(write_config, server: FaultServer | str, tokenizer_dir: Path, tokenize: dict | None = None,
+           target: dict | None = None, **generate) -> Path:
     base_url = server if isinstance(server, str) else server.base_url
     gen = {"base_url": base_url, "concurrency": 8, "timeout_s": 2.0, "max_retries": 6, "backoff_initial_s": 0.01,
            "backoff_max_s": 0.05, "max_tokens": 64, "fsync_every": 4, "api_key_env": "EAGLE3_TEST_API_KEY"}
     gen.update(generate)
-    return write_config({"target": {"model": str(tokenizer_dir)}, "generate": gen, "tokenize": {"max_seq_len": 512}})
+    return write_config({"target": {"model": str(tokenizer_dir), **(target or {})}, "generate": gen,
+                         "tokenize": {"max_seq_len": 512, **(tokenize or {})}})
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -424,3 +443,175 @@ def test_sigterm_stops_cleanly_with_130(run_dir, write_config, chat_tokenizer_di
     raw, failed = assert_accounted(run_dir, prompts)
     assert failed == [] and [r["id"] for r in raw[: len(rows)]] == [r["id"] for r in rows]
     assert_no_secret(run_dir, out, err, final.stdout, final.stderr)
+
+
+# ----------------------------------------------------------------------------- token ids from the server
+
+
+def test_parse_completion_reads_vllm_token_ids():
+    from openai.types.chat import ChatCompletion
+
+    def completion(**extra):
+        choice = {"index": 0, "message": {"role": "assistant", "content": "C"}, "finish_reason": "stop"}
+        choice |= {k: v for k, v in extra.items() if k == "token_ids"}
+        body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+        return ChatCompletion.model_validate(body | {k: v for k, v in extra.items() if k != "token_ids"})
+
+    out = parse_completion(completion(prompt_token_ids=[1, 2, 3], token_ids=[7, 8]))
+    assert out["prompt_token_ids"] == [1, 2, 3] and out["completion_token_ids"] == [7, 8]
+    assert "prompt_token_ids" not in parse_completion(completion()) and "completion_token_ids" not in parse_completion(completion())
+    with pytest.raises(MalformedResponse, match="token_ids is not a list of integers"):
+        parse_completion(completion(prompt_token_ids=[1, 2], token_ids=["a"]))
+    f = classify(MissingTokenIds(MISSING_TOKEN_IDS))
+    assert not f.retryable and "needs vLLM >= 0.10 or set tokenize.token_ids_from=template" in f.reason
+
+
+def expected_turn_ids(prompt: dict) -> list[tuple[list[int], list[int]]]:
+    """Per user turn: the (prompt ids, completion ids) the fault server reports for it."""
+    conv, out = [], []
+    for m in expected_conversation(prompt):
+        if m["role"] == "assistant":
+            out.append(expected_token_ids(conv))
+        conv.append(m)
+    return out
+
+
+def test_server_token_ids_single_and_multi_turn_and_truncation(run_dir, write_config, chat_tokenizer_dir, api_key):
+    prompts = make_prompts(run_dir, 15)  # p002, p007, p012: two user turns
+    with FaultServer(Faults(seed=4, p_500=0.1), record_bodies=True) as server:
+        cfg_path = config(write_config, server, chat_tokenizer_dir, tokenize={"token_ids_from": "server"})
+        assert run_stage(load_config(cfg_path)) == 0
+    raw, failed = assert_accounted(run_dir, prompts)
+    assert failed == []
+    assert all(b["return_token_ids"] is True for b in server.stats.bodies)
+    # One 1-token preflight checked that the server returns ids before the run.
+    assert [b["max_tokens"] for b in server.stats.bodies].count(1) == 1 and server.stats.bodies[0]["max_tokens"] == 1
+
+    # Every turn stores the server's ids, as the server reported them.
+    prompt_by_id = {p["id"]: p for p in prompts}
+    for row in raw:
+        want = expected_turn_ids(prompt_by_id[row["id"]])
+        assert [(t["prompt_token_ids"], t["completion_token_ids"]) for t in row["turns"]] == want
+    assert sum(len(r["turns"]) == 2 for r in raw) == 3
+
+    # A sample is the last turn's prompt ids (loss 0) + completion ids (loss 1); in a two-turn
+    # conversation the first answer is inside that prompt (as the template renders it): loss 0.
+    def want_sample(pid):
+        p, c = expected_turn_ids(prompt_by_id[pid])[-1]
+        return p + c, [0] * len(p) + [1] * len(c)
+
+    samples = rows_of(run_dir / "data" / "train.jsonl") + rows_of(run_dir / "data" / "eval.jsonl")
+    assert sorted(s["id"] for s in samples) == sorted(p["id"] for p in prompts)
+    for s in samples:
+        assert (s["input_ids"], s["loss_mask"]) == want_sample(s["id"])
+    two_turn = next(s for s in samples if s["id"] == "p002")
+    first_completion = expected_turn_ids(prompt_by_id["p002"])[0][1]
+    first_answer_words = first_completion[first_completion.index(7) + 1: -1]  # after </think>, before end of turn
+    joined = two_turn["input_ids"]
+    at = next(i for i in range(len(joined)) if joined[i:i + len(first_answer_words)] == first_answer_words)
+    assert not any(two_turn["loss_mask"][at: at + len(first_answer_words)])
+    report = json.loads((run_dir / "data" / "generate_report.json").read_text())
+    assert report["tokenize"]["token_ids_from"] == "server" and report["complete"] is True
+
+    # Retokenize with a small max_seq_len (no server needed): truncated, or nothing left to learn.
+    max_len = 24
+    assert run_stage(load_config(cfg_path, [f"tokenize.max_seq_len={max_len}"])) == 0
+    samples = {s["id"]: s for s in rows_of(run_dir / "data" / "train.jsonl") + rows_of(run_dir / "data" / "eval.jsonl")}
+    full = {p["id"]: want_sample(p["id"]) for p in prompts}
+    prompt_only = {pid for pid, (ids, mask) in full.items() if not any(mask[:max_len])}
+    cut = {pid for pid, (ids, _) in full.items() if len(ids) > max_len}
+    assert prompt_only and cut - prompt_only  # both cases happen
+    assert set(samples) == set(full) - prompt_only
+    for pid, s in samples.items():
+        ids, mask = full[pid]
+        assert s["input_ids"] == ids[:max_len] and s["loss_mask"] == mask[:max_len]
+    t = json.loads((run_dir / "data" / "generate_report.json").read_text())["tokenize"]
+    assert t["truncated"] == len(cut) and t["skipped"] == {"no_loss_tokens": len(prompt_only)}
+    # Drop instead: every overlong sample is gone, counted.
+    assert run_stage(load_config(cfg_path, [f"tokenize.max_seq_len={max_len}", "tokenize.overlong=drop"])) == 0
+    t = json.loads((run_dir / "data" / "generate_report.json").read_text())["tokenize"]
+    assert t["train"] + t["eval"] == len(full) - len(cut) and t["skipped"] == {"dropped_overlong": len(cut)}
+
+
+def test_server_mode_without_token_ids_fails_clearly(run_dir, write_config, chat_tokenizer_dir, api_key):
+    prompts = make_prompts(run_dir, 6, no_ids=(1, 4))
+    with FaultServer(Faults(seed=1)) as server:
+        cfg_path = config(write_config, server, chat_tokenizer_dir, tokenize={"token_ids_from": "server"})
+        assert run_stage(load_config(cfg_path)) == 0
+        # A response without ids is a failure with the reason, not retried (retrying cannot help).
+        raw, failed = assert_accounted(run_dir, prompts)
+        assert sorted(f["id"] for f in failed) == ["p001", "p004"]
+        for f in failed:
+            assert f["attempts"] == 1 and f["error_type"] == "MissingTokenIds" and MISSING_TOKEN_IDS in f["reason"]
+        for i in (1, 4):
+            assert server.stats.requests_by_prompt[prompts[i]["messages"][-1]["content"]] == 1
+        report = json.loads((run_dir / "data" / "generate_report.json").read_text())
+        assert report["this_run"]["failure_reasons"] == {"MissingTokenIds": 2} and report["this_run"]["retries"] == 0
+
+    # A server that never returns ids (vLLM < 0.10): one 1-token preflight request, then a clear error.
+    with FaultServer(Faults(seed=1), token_ids=False) as old_server:
+        with pytest.raises(PipelineError, match="server did not return token ids.*vLLM >= 0.10.*token_ids_from=template"):
+            run_stage(load_config(config(write_config, old_server, chat_tokenizer_dir, tokenize={"token_ids_from": "server"})),
+                      overwrite=True)
+        assert old_server.stats.chat_requests == 1
+    assert not (run_dir / "data" / "raw_responses.jsonl").exists()
+
+    # Rows generated without ids (template mode) cannot become server samples: said before any request.
+    with FaultServer(Faults(seed=1)) as server:
+        assert run_stage(load_config(config(write_config, server, chat_tokenizer_dir)), overwrite=True) == 0
+        make_prompts(run_dir, 8)  # two new prompts to generate
+        requests = server.stats.requests
+        cfg_path = config(write_config, server, chat_tokenizer_dir, tokenize={"token_ids_from": "server"})
+        with pytest.raises(DataError, match="6 finished row.*have no token ids.*--overwrite"):
+            run_stage(load_config(cfg_path))
+        assert server.stats.requests == requests
+    with pytest.raises(ConfigError, match="token_ids_from must be 'template' or 'server'"):
+        run_stage(load_config(cfg_path, ["tokenize.token_ids_from=vllm"]))
+
+
+def test_kimi_like_target_fails_fast_in_template_mode_and_works_from_server_ids(run_dir, write_config, tmp_path, api_key):
+    """Kimi-K2.5: a slow remote-code tokenizer, a template that strips the reasoning it renders.
+    Template mode fails before the first request (not after days of generation) and says what
+    to do; a tokenizer that needs trust_remote_code fails before any request too; server mode
+    works."""
+    tok_dir = build_slow_chat_tokenizer(tmp_path / "kimi-tok", KIMI_LIKE_TEMPLATE, KIMI_LIKE_SPECIAL)
+    prompts = make_prompts(run_dir, 5)
+    with FaultServer(Faults(seed=6)) as server:
+        trusted = {"trust_remote_code": True}
+        with pytest.raises(DataError, match="does not render assistant reasoning.*set tokenize.token_ids_from=server"):
+            run_stage(load_config(config(write_config, server, tok_dir, target=trusted)))
+        assert server.stats.requests == 0
+        with pytest.raises(DataError, match="cannot load the target tokenizer.*trust_remote_code"):
+            run_stage(load_config(config(write_config, server, tok_dir)))
+        assert server.stats.requests == 0
+        cfg = load_config(config(write_config, server, tok_dir, target=trusted, tokenize={"token_ids_from": "server"}))
+        assert run_stage(cfg) == 0
+    raw, failed = assert_accounted(run_dir, prompts)
+    assert failed == []
+    prompt_by_id = {p["id"]: p for p in prompts}
+    for s in rows_of(run_dir / "data" / "train.jsonl") + rows_of(run_dir / "data" / "eval.jsonl"):
+        p, c = expected_turn_ids(prompt_by_id[s["id"]])[-1]
+        assert s["input_ids"] == p + c and s["loss_mask"] == [0] * len(p) + [1] * len(c)
+
+
+def test_template_that_rewrites_history_fails_fast_only_with_multi_turn_prompts(run_dir, write_config, tmp_path, api_key):
+    drops_old_reasoning = (  # like Qwen3's: reasoning rendered only for the last assistant message
+        "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+        "{%- if message['role'] == 'assistant' and message.get('reasoning') and loop.last -%}"
+        "{{- '<think>\\n' + message['reasoning'] + '\\n</think>\\n\\n' -}}"
+        "{%- endif -%}"
+        "{{- message['content'] + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    tok_dir = build_chat_tokenizer(tmp_path / "tok", drops_old_reasoning)
+    make_prompts(run_dir, 3)  # p002 has two user turns
+    with FaultServer(Faults(seed=2)) as server:
+        with pytest.raises(DataError, match="not prefix-stable.*set tokenize.token_ids_from=server"):
+            run_stage(load_config(config(write_config, server, tok_dir)))
+        assert server.stats.requests == 0
+        prompts = make_prompts(run_dir, 2)  # single-turn prompts only: the template is fine
+        assert run_stage(load_config(config(write_config, server, tok_dir))) == 0
+    assert_accounted(run_dir, prompts)

@@ -5,7 +5,9 @@ system prompts, truncation (inside the assistant span, before it), drop, empty a
 assistant; a second template family (Llama-3 style: BOS, other end-of-turn token, reasoning
 under `reasoning_content`); and templates that break the assumptions (DataError).
 The checks compare against the tokenizer itself: ids == apply_chat_template(tokenize=True),
-decode(tokens with mask 1) == the rendered assistant text.
+decode(tokens with mask 1) == the rendered assistant text. A slow tokenizer (remote code, no
+offset mappings, the shape of Kimi-K2.5's) gives exactly what the fast path gives. Server ids
+(tokenize_server_ids): prompt masked 0, completion 1, truncate/drop counted.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import build_chat_tokenizer
+from conftest import KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, build_chat_tokenizer, build_slow_chat_tokenizer
 
 from common.errors import DataError
 from common.tiny_target import CHAT_TEMPLATE as QWEN_STYLE_TEMPLATE
-from common.tokenization import load_tokenizer, stop_token_ids, tokenize_conversation
+from common.tokenization import load_tokenizer, stop_token_ids, tokenize_conversation, tokenize_server_ids
 
 LLAMA3_STYLE_TEMPLATE = (
     "{{- bos_token -}}"
@@ -54,6 +56,17 @@ IGNORES_REASONING_TEMPLATE = (
 
 def build_tokenizer(out_dir, template: str, special: list[str], added: list[str], eos: str, bos: str | None = None):
     return load_tokenizer(str(build_chat_tokenizer(out_dir, template, special, added, eos, bos)))
+
+
+def build_slow_tokenizer(out_dir, template: str, special: list[str], added: list[str], eos: str, bos: str | None = None):
+    tok = load_tokenizer(str(build_slow_chat_tokenizer(out_dir, template, special, added, eos, bos)), trust_remote_code=True)
+    assert not tok.is_fast
+    return tok
+
+
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+THINK = ["<think>", "</think>"]
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +270,104 @@ def test_load_tokenizer_errors(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(tmp_path / "plain")
     with pytest.raises(DataError, match="no chat_template"):
         load_tokenizer(str(tmp_path / "plain"))
+
+
+# ----------------------------------------------------------------------------- slow tokenizers
+
+
+CONVERSATIONS = [
+    [SYSTEM, USER1, ANSWER1],
+    [USER1, {"role": "assistant", "content": "", "reasoning": "Only thinking, cut off."}],
+    [USER1, {"role": "assistant", "content": "42."}],
+    [SYSTEM, USER1, ANSWER1, USER2, ANSWER2],
+    [USER1, {"role": "assistant", "content": "ünïcödé 漢字 🙂 and  two  spaces\n\n", "reasoning": " lead space"}],
+]
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama3"])
+def test_slow_tokenizer_gives_what_the_fast_path_gives(tmp_path, family):
+    """No offset mappings (Kimi's TikToken tokenizer has none): token-prefix matching finds the
+    same ids and the same mask, truncation and counts included."""
+    if family == "qwen":
+        args = (QWEN_STYLE_TEMPLATE, QWEN_SPECIAL, THINK, "<|im_end|>")
+    else:
+        args = (LLAMA3_STYLE_TEMPLATE, LLAMA3_SPECIAL, THINK, "<|eot_id|>", "<|begin_of_text|>")
+    fast = build_tokenizer(tmp_path / "fast", *args)
+    slow = build_slow_tokenizer(tmp_path / "slow", *args)
+    assert fast.is_fast and not slow.is_fast
+    for messages in CONVERSATIONS:
+        want = tokenize_conversation(fast, messages, 4096)
+        assert tokenize_conversation(slow, messages, 4096) == want, messages
+        assert sum(want["loss_mask"]) > 0
+        cut = want["loss_mask"].index(1) + 2
+        fast_stats, slow_stats = Counter(), Counter()
+        assert (tokenize_conversation(slow, messages, cut, stats=slow_stats)
+                == tokenize_conversation(fast, messages, cut, stats=fast_stats))
+        assert slow_stats == fast_stats == Counter(truncated=1, kept=1)
+    # Same stop-token trimming: the newline after <|im_end|> is template text.
+    if family == "qwen":
+        assert masked_runs(slow, tokenize_conversation(slow, CONVERSATIONS[2], 4096)) == ["42.<|im_end|>"]
+
+
+def test_slow_tokenizer_token_merging_across_the_reply_boundary_is_rejected(tmp_path):
+    """A generation prompt ending inside a word ("...\\nA") whose reply continues it ("nswer"):
+    the tokens up to the reply are not a prefix of the tokens through it."""
+    template = (
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\nA' + message['content'] + '<|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\nA' -}}{%- endif -%}"
+    )
+    slow = build_slow_tokenizer(tmp_path / "slow", template, QWEN_SPECIAL, THINK, "<|im_end|>")
+    fast = build_tokenizer(tmp_path / "fast", template, QWEN_SPECIAL, THINK, "<|im_end|>")
+    fine = [USER1, {"role": "assistant", "content": " 42."}]
+    assert masked_runs(slow, tokenize_conversation(slow, fine, 4096)) == [" 42.<|im_end|>"]
+    assert tokenize_conversation(fast, fine, 4096) == tokenize_conversation(slow, fine, 4096)
+    merging = [USER1, {"role": "assistant", "content": "nswer to turn 1"}]
+    with pytest.raises(DataError, match="not a fast tokenizer.*token merges across.*token_ids_from=server"):
+        tokenize_conversation(slow, merging, 4096)
+    with pytest.raises(DataError, match="straddles.*token merges across.*token_ids_from=server"):  # the fast path agrees
+        tokenize_conversation(fast, merging, 4096)
+
+
+def test_kimi_like_template_cannot_be_reproduced_from_text(tmp_path):
+    """Kimi-K2.5's template renders <think></think> for the reply it re-renders: from text alone
+    the reasoning cannot be recovered (hence tokenize.token_ids_from=server)."""
+    slow = build_slow_tokenizer(tmp_path, KIMI_LIKE_TEMPLATE, list(KIMI_LIKE_SPECIAL), THINK, "<|im_end|>")
+    sample = tokenize_conversation(slow, [USER1, {"role": "assistant", "content": "42."}], 4096)
+    assert masked_runs(slow, sample) == ["</think>42.<|im_end|>"]  # <think> sits in the generation prompt
+    with pytest.raises(DataError, match="does not render assistant reasoning"):
+        tokenize_conversation(slow, [USER1, ANSWER1], 4096)
+
+
+def test_load_tokenizer_remote_code_needs_trust(tmp_path):
+    path = build_slow_chat_tokenizer(tmp_path)
+    with pytest.raises(DataError, match="cannot load the target tokenizer.*set target.trust_remote_code=true"):
+        load_tokenizer(str(path))
+    assert not load_tokenizer(str(path), trust_remote_code=True).is_fast
+
+
+# ----------------------------------------------------------------------------- ids from the server
+
+
+def test_server_ids_prompt_masked_completion_learned():
+    prompt, completion = [1, 2, 3, 4, 5], [6, 7, 8]
+    stats = Counter()
+    assert tokenize_server_ids(prompt, completion, 4096, stats=stats) == {
+        "input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "loss_mask": [0, 0, 0, 0, 0, 1, 1, 1]}
+    assert stats == Counter(kept=1)
+
+
+def test_server_ids_truncate_drop_and_nothing_to_learn():
+    prompt, completion = [1, 2, 3, 4, 5], [6, 7, 8]
+    stats = Counter()
+    assert tokenize_server_ids(prompt, completion, 7, "truncate", stats=stats) == {
+        "input_ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 0, 0, 0, 0, 1, 1]}
+    assert tokenize_server_ids(prompt, completion, 5, "truncate", stats=stats) is None  # only the prompt fits
+    assert tokenize_server_ids(prompt, completion, 7, "drop", stats=stats) is None
+    assert tokenize_server_ids(prompt, completion, 8, "drop", stats=stats)["input_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert tokenize_server_ids(prompt, [], 4096, stats=stats) is None
+    assert stats == Counter(truncated=2, kept=2, no_loss_tokens=2, dropped_overlong=1)
+    with pytest.raises(ValueError):
+        tokenize_server_ids(prompt, completion, 8, "cut")

@@ -1,0 +1,231 @@
+"""Stage-04 training throughput on a GPU: tokens/s, MFU and peak memory of the real TTT training step.
+
+What runs is exactly 04's inner step (common.trainer): the EAGLE-3 draft (common.draft_model,
+fp32 master weights, frozen target embedding inside), the TTT loss (common.ttt.ttt_loss) under
+bf16 autocast with the target lm_head in bf16 as the teacher, backward, grad-norm clipping and a
+fused AdamW step. The inputs are synthetic (random hidden states of the right shapes: the speed
+does not depend on their values): one packed row per micro-batch holding one sample of
+`seq_len` tokens, ttt_steps 7.
+
+Draft sizes (one decoder layer, draft vocab 32000):
+  llama8b   target Llama-3.1-8B: hidden 4096, 32 heads / 8 kv, head_dim 128, intermediate 14336, vocab 128256
+  kimi      target Kimi-K2.5:    hidden 7168, 56 heads / 8 kv, head_dim 128, intermediate 18432, vocab 163840
+
+FLOPs per optimizer step (model FLOPs, printed per config; recomputation by checkpointing is not
+counted, so this is MFU, not hardware utilisation). T tokens, K TTT steps, c_i positions counted at
+step i (those with a target inside the sample and loss_mask 1), one sample of length L = T:
+  per token and step, trained (x3 = forward + backward):
+      2*(2H)*(nh+2*nkv)*hd  q/k/v of the first layer (input [embedding, hidden] = 2H wide)
+    + 2*nh*hd*H             o_proj
+    + 2*3*H*I               MLP
+  attention, step i (x3): 4*nh*hd * (L(L+1)/2 + i*L)   (causal step-0 context + i own earlier steps)
+  draft lm_head (x3):     2*H*V_d per counted position, sum over steps of c_i
+  fc, step 0 only (x2: no input gradient): 2 * 2*(3*H_t)*H per token
+  teacher (forward only, once per micro-batch): 2*H_t*V per token
+MFU = FLOPs per step / step time / peak dense bf16 FLOP/s of the device (table below or
+--peak-tflops).
+
+    python bench/gpu_train_bench.py                      # both drafts, seq 2048 and 4096 (GPU)
+    python bench/gpu_train_bench.py --smoke              # tiny sizes on CPU (checks the script)
+Writes <out>/gpu_train_bench.json (after every config, so a timeout keeps what was measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+CONFIGS = {
+    "llama8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000),
+    "kimi": dict(hidden=7168, heads=56, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000),
+    # --smoke: the same code path at sizes a CPU runs in seconds
+    "smoke-a": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1000, draft_vocab=200),
+    "smoke-b": dict(hidden=96, heads=6, kv_heads=2, head_dim=16, intermediate=192, vocab=1200, draft_vocab=300),
+}
+
+# Dense bf16 tensor-core peak, FLOP/s (no sparsity), by device-name substring.
+PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+             ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("A10", 125e12)]
+
+
+def step_flops(spec: dict, seq_len: int, ttt_steps: int, counted: list[int]) -> dict:
+    H, Ht, nh, nkv, hd, inter = spec["hidden"], spec["hidden"], spec["heads"], spec["kv_heads"], spec["head_dim"], spec["intermediate"]
+    V, Vd, T, L, K = spec["vocab"], spec["draft_vocab"], seq_len, seq_len, ttt_steps
+    per_token_step = 2 * (2 * H) * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 2 * 3 * H * inter
+    parts = {
+        "layer": 3 * K * T * per_token_step,
+        "attention": 3 * sum(4 * nh * hd * (L * (L + 1) / 2 + i * L) for i in range(K)),
+        "draft_lm_head": 3 * 2 * H * Vd * sum(counted),
+        "fc": 2 * 2 * (3 * Ht) * H * T,
+        "teacher": 2 * Ht * V * T,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((p for key, p in PEAK_BF16 if key in name), None)
+
+
+def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator):
+    """One packed row with one sample: what common.train_data hands the trainer (bf16 states)."""
+    H, V = spec["hidden"], spec["vocab"]
+    aux = torch.randn(seq_len, 3 * H, generator=gen, dtype=torch.float32).to(device, torch.bfloat16)
+    final = torch.randn(seq_len, H, generator=gen, dtype=torch.float32).to(device, torch.bfloat16)
+    ids = torch.randint(0, V, (seq_len,), generator=gen).to(device)
+    mask = torch.ones(seq_len, dtype=torch.uint8)
+    mask[: seq_len // 10] = 0  # a prompt part without loss
+    return aux, ids, final, mask.to(device), torch.arange(seq_len, device=device), [seq_len]
+
+
+def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_checkpointing: bool, attention: str):
+    from common.draft_model import DraftModelConfig, Eagle3DraftModel
+
+    H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
+    cfg = DraftModelConfig(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
+                           num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"], num_hidden_layers=1,
+                           max_position_embeddings=max(4096, seq_len + 16), vocab_size=V, draft_vocab_size=Vd,
+                           target_hidden_size=H, aux_layer_ids=[2, 30, 58], rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        draft = Eagle3DraftModel(cfg)  # fp32 master weights, as 04 keeps them
+    draft_ids = torch.sort(torch.randperm(V, generator=gen)[:Vd]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    draft.set_vocab_map(draft_ids - torch.arange(Vd), t2d)
+    draft.gradient_checkpointing = gradient_checkpointing
+    draft.attention_impl = attention
+    lm_head = (torch.randn(V, H, generator=gen) * H ** -0.5).to(device, torch.bfloat16)  # the teacher, bf16 as in 04
+    params = [p for p in draft.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.0},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-4, betas=(0.9, 0.95), fused=fused, foreach=None if fused else False)
+    return draft, lm_head, optimizer, sum(p.numel() for p in params)
+
+
+def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
+    from common.ttt import ttt_loss
+
+    gen = torch.Generator().manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t_build = time.perf_counter()
+    draft, lm_head, optimizer, n_params = build(spec, device, seq_len, gen, args.gradient_checkpointing, args.attention)
+    batch = synthetic_batch(spec, seq_len, device, gen)
+    build_s = time.perf_counter() - t_build
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    params = [p for p in draft.parameters() if p.requires_grad]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            out = ttt_loss(draft, *batch, lm_head, args.ttt_steps, 0.8)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        return out
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        out = step()
+    sync()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]  # median: robust to a stray slow step
+    flops = step_flops(spec, seq_len, args.ttt_steps, out.step_counts)
+    peak = peak_flops(device, args.peak_tflops)
+    if device.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated(device)
+    else:
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process high-water mark (RSS)
+    result = {
+        "config": name, **spec, "seq_len": seq_len, "ttt_steps": args.ttt_steps, "attention": args.attention,
+        "gradient_checkpointing": args.gradient_checkpointing, "trainable_params": n_params,
+        "step_s_median": step_s, "step_s_all": times, "tokens_per_s": seq_len / step_s,
+        "flops_per_step": flops["total"], "flops_breakdown": flops, "achieved_tflops": flops["total"] / step_s / 1e12,
+        "mfu": flops["total"] / step_s / peak if peak else None, "peak_tflops": peak / 1e12 if peak else None,
+        "peak_memory_gb": peak_mem / 1e9, "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "RSS",
+        "build_s": build_s, "loss": float(out.loss.detach()), "step_counts": out.step_counts,
+    }
+    del draft, lm_head, optimizer, batch, out
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed: checks that the script runs")
+    parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS))
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per config (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--attention", default="chunked", choices=["chunked", "flex", "naive"])
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, help="device peak dense bf16 TFLOP/s, if not in the built-in table")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        sys.exit("no CUDA device: run with --smoke on CPU (tiny sizes), or on a GPU machine")
+    configs = args.configs or (["smoke-a", "smoke-b"] if args.smoke else ["llama8b", "kimi"])
+    seq_lens = args.seq_lens or ([128, 256] if args.smoke else [2048, 4096])
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_path = args.out / "gpu_train_bench.json"
+    doc = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": args.smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "args": {k: str(v) for k, v in vars(args).items()}, "results": [], "errors": [],
+    }
+    print(f"gpu_train_bench: {doc['device']}, torch {doc['torch']}; writing {out_path}", flush=True)
+    for name in configs:
+        for seq_len in seq_lens:
+            try:
+                r = bench_one(name, CONFIGS[name], seq_len, args, device)
+            except torch.cuda.OutOfMemoryError as e:
+                doc["errors"].append({"config": name, "seq_len": seq_len, "error": f"OOM: {str(e).splitlines()[0]}"})
+                print(f"{name:8} seq {seq_len:5}: out of memory", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            doc["results"].append(r)
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+            print(f"{name:8} seq {seq_len:5}: {r['tokens_per_s']:>9,.0f} tok/s  step {r['step_s_median'] * 1e3:8.1f} ms  "
+                  f"{r['flops_per_step'] / 1e12:7.2f} TFLOP/step  {r['achieved_tflops']:7.1f} TFLOP/s  MFU {mfu:>6}  "
+                  f"peak mem {r['peak_memory_gb']:6.2f} GB  ({r['trainable_params'] / 1e6:.1f}M trainable params)", flush=True)
+            f = r["flops_breakdown"]
+            print(f"{'':8} FLOPs/step: " + ", ".join(f"{k} {v / 1e12:.3f}T" for k, v in f.items() if k != "total")
+                  + f" = {f['total'] / 1e12:.3f}T", flush=True)
+            out_path.write_text(json.dumps(doc, indent=2) + "\n")
+    doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out_path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"gpu_train_bench: done -> {out_path}")
+
+
+if __name__ == "__main__":
+    main()
