@@ -258,8 +258,14 @@ def token_ids_from(cfg: Config) -> str:
     return cfg.tokenize.token_ids_from
 
 
-def has_token_ids(turn: dict) -> bool:
-    return isinstance(turn.get("prompt_token_ids"), list) and isinstance(turn.get("completion_token_ids"), list)
+def has_token_ids(turn: Any) -> bool:
+    return (isinstance(turn, dict) and isinstance(turn.get("prompt_token_ids"), list)
+            and isinstance(turn.get("completion_token_ids"), list))
+
+
+def last_turn(row: dict) -> Any:
+    turns = row.get("turns")
+    return turns[-1] if isinstance(turns, list) and turns else None
 
 
 def normalize_turn(reasoning: str, content: str) -> tuple[str, str]:
@@ -654,7 +660,7 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
     """
     from tqdm import tqdm
 
-    from common.tokenization import stop_token_ids, tokenize_conversation, tokenize_server_ids
+    from common.tokenization import TokenBoundaryError, stop_token_ids, tokenize_conversation, tokenize_server_ids
 
     from_server = cfg.tokenize.token_ids_from == "server"
     stop_ids = None if from_server else stop_token_ids(tokenizer, tokenizer_path(cfg))
@@ -672,8 +678,7 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
             stats["malformed"] += 1
             continue
         if from_server:
-            turns = row.get("turns")
-            last = turns[-1] if isinstance(turns, list) and turns and isinstance(turns[-1], dict) else {}
+            last = last_turn(row)
             if not has_token_ids(last):
                 stats["missing_token_ids"] += 1
                 continue
@@ -684,10 +689,14 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
             sample = tokenize_server_ids(last["prompt_token_ids"], last["completion_token_ids"],
                                          cfg.tokenize.max_seq_len, cfg.tokenize.overlong, stats=stats)
         else:
-            sample = tokenize_conversation(
-                tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
-                stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
-            )
+            try:
+                sample = tokenize_conversation(
+                    tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
+                    stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
+                )
+            except TokenBoundaryError:  # this sample's text, not the template: skip it, counted
+                stats["token_boundary_merge"] += 1
+                continue
         if sample is None:
             continue
         split = "eval" if prompt.get("split") == "eval" else "train"
@@ -770,7 +779,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     multi_turn = any(sum(m.get("role") == "user" for m in p["messages"]) > 1 for p in prompts)
     check_token_ids_source(cfg, tokenizer, multi_turn)
     if from_server:
-        lacking = sum(1 for pid, row in done.items() if pid in prompt_ids and not has_token_ids((row.get("turns") or [{}])[-1]))
+        lacking = sum(1 for pid, row in done.items() if pid in prompt_ids and not has_token_ids(last_turn(row)))
         if lacking:
             raise DataError(
                 f"{lacking} finished row(s) in {paths.raw} have no token ids (generated with tokenize.token_ids_from="

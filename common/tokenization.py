@@ -37,6 +37,12 @@ from common.errors import DataError
 REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
+class TokenBoundaryError(DataError):
+    """One conversation's reply merges into a token with the text before or after it, so its
+    tokens cannot be located. Depends on the sample (e.g. a reply starting with whitespace the
+    generation prompt ends with): 01b counts it as a skip instead of stopping."""
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, require_chat_template: bool = True):
     """The target's tokenizer, fast or slow (slow ones, like Kimi's TikToken tokenizer, need
     trust_remote_code and take the token-prefix path in tokenize_conversation)."""
@@ -157,6 +163,8 @@ def tokenize_conversation(
     """Tokenize one conversation -> {"input_ids", "loss_mask"}, or None when it is skipped.
 
     overlong: "truncate" keeps the first max_seq_len tokens, "drop" skips the sample.
+    Raises DataError when the template cannot reproduce the turns, TokenBoundaryError (a
+    DataError) when a token straddles a reply's start or end.
     Skips (None) are counted in `stats` (a Counter) under a reason key:
     empty_assistant (an assistant turn with neither content nor reasoning), no_assistant,
     dropped_overlong, no_loss_tokens (nothing left to learn after truncation).
@@ -200,7 +208,7 @@ def _token_spans_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]]
     offsets = enc["offset_mapping"]
     for i, (start, end) in enumerate(spans):
         if any(s < edge < e for s, e in offsets for edge in (start, end)):
-            raise DataError(
+            raise TokenBoundaryError(
                 f"a token of the rendered conversation straddles the start or end of assistant reply {i + 1} (a token "
                 "merges across the boundary between the generation prompt and the reply), so the generated tokens "
                 "cannot be located; set tokenize.token_ids_from=server to take token ids from vLLM instead"
@@ -217,7 +225,7 @@ def _token_spans_from_prefixes(tokenizer, text: str, spans: list[tuple[int, int]
     for i, (start, end) in enumerate(spans):
         before, through = _encode(tokenizer, text[:start]), _encode(tokenizer, text[:end])
         if through[: len(before)] != before or input_ids[: len(through)] != through:
-            raise DataError(
+            raise TokenBoundaryError(
                 f"the target tokenizer is not a fast tokenizer (no offset mappings), and the tokens of the conversation "
                 f"up to assistant reply {i + 1} are not a prefix of the tokens through it (a token merges across "
                 "the boundary between the generation prompt and the reply), so the generated tokens cannot be located; "

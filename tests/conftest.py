@@ -158,6 +158,16 @@ KIMI_LIKE_TEMPLATE = (
 )
 KIMI_LIKE_SPECIAL = ("<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
 
+# A generation prompt that ends inside a word ("...\nA"): a reply that continues the word
+# ("nswer") merges into one token with it, so its tokens cannot be located.
+PROMPT_ENDS_MID_WORD_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\nA' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\nA' -}}{%- endif -%}"
+)
+
 
 def build_slow_chat_tokenizer(out_dir, template: str | None = None, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                               added=("<think>", "</think>"), eos: str = "<|im_end|>", bos: str | None = None) -> Path:

@@ -615,3 +615,22 @@ def test_template_that_rewrites_history_fails_fast_only_with_multi_turn_prompts(
         prompts = make_prompts(run_dir, 2)  # single-turn prompts only: the template is fine
         assert run_stage(load_config(config(write_config, server, tok_dir))) == 0
     assert_accounted(run_dir, prompts)
+
+
+def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, write_config, tmp_path):
+    """One sample whose first token merges with the generation prompt's last characters (the
+    template is fine for others): skipped and counted, not a stop of the whole tokenization."""
+    from conftest import PROMPT_ENDS_MID_WORD_TEMPLATE
+
+    from common.generate import Paths, tokenize_outputs
+
+    tok_dir = build_chat_tokenizer(tmp_path / "tok", PROMPT_ENDS_MID_WORD_TEMPLATE)
+    cfg = load_config(config(write_config, "http://127.0.0.1:9/v1", tok_dir))
+    user = {"role": "user", "content": "What is 12 plus 30?"}
+    prompts = [{"id": "ok", "messages": [user], "split": "train"}, {"id": "merges", "messages": [user], "split": "train"}]
+    done = {"ok": {"messages": [user, {"role": "assistant", "content": " 42."}]},
+            "merges": {"messages": [user, {"role": "assistant", "content": "nswer to turn 1"}]}}
+    (run_dir / "data").mkdir()
+    counts = tokenize_outputs(cfg, Paths.of(cfg), prompts, done, load_tokenizer(str(tok_dir)))
+    assert counts["train"] == 1 and counts["skipped"] == {"token_boundary_merge": 1}
+    assert [r["id"] for r in rows_of(run_dir / "data" / "train.jsonl")] == ["ok"]

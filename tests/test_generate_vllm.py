@@ -210,3 +210,67 @@ def test_masked_text_is_what_vllm_generated(vllm_server, tiny_target_dir):
         same_ids += masked == generated
     assert checked >= 3
     print(f"\nround trip: {checked} answers, text identical in all, token ids identical in {same_ids}")
+
+
+@pytest.mark.vllm
+def test_token_ids_from_server_on_real_vllm(vllm_server, tiny_target_dir, run_dir, write_config):
+    """tokenize.token_ids_from=server on a real vLLM: each turn's prompt_token_ids are the chat
+    template's ids for the messages sent, the completion ids decode to exactly the generated
+    text (reasoning and content as the reasoning parser split them), and a sample is the last
+    turn's prompt (loss 0) + completion (loss 1)."""
+    from common.config import load_config
+    from common.generate import run_stage
+
+    questions = ["What is 12 plus 30?", "Write a haiku about the moon.", "What is the capital of France?",
+                 "Write a Python function that reverses a string.", "Explain gravity.", "Solve for x: 3x + 4 = 19.",
+                 "What is 25% of 80?", "Tell me a fun fact about the octopus."]
+    prompts = []
+    for i in range(16):
+        messages = [{"role": "user", "content": questions[i % 8]}]
+        if i % 6 == 1:
+            messages.append({"role": "user", "content": "Can you explain that more simply?"})
+        prompts.append({"id": f"q{i:02d}", "messages": messages, "split": "eval" if i % 8 == 0 else "train"})
+    (run_dir / "data").mkdir()
+    (run_dir / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
+    cfg = load_config(write_config({
+        "target": {"model": str(tiny_target_dir)},
+        "generate": {"base_url": vllm_server.base_url, "concurrency": 16, "timeout_s": 120, "max_tokens": 64,
+                     "temperature": 0.7},
+        "tokenize": {"max_seq_len": 1024, "token_ids_from": "server"},
+    }))
+    assert run_stage(cfg) == 0
+    data = run_dir / "data"
+    report = json.loads((data / "generate_report.json").read_text())
+    assert report["complete"] is True and report["tokenizer_check"] == "match"
+    raw = {r["id"]: r for r in iter_jsonl(data / "raw_responses.jsonl")}
+    assert sorted(raw) == [p["id"] for p in prompts]
+
+    tok = load_tokenizer(str(tiny_target_dir))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns_checked = closed = 0
+    for row in raw.values():
+        users = [i for i, m in enumerate(row["messages"]) if m["role"] == "user"]
+        assert len(users) == len(row["turns"])
+        for at, turn in zip(users, row["turns"]):
+            sent = row["messages"][: at + 1]  # what the request carried (history with its reasoning)
+            want = tok.apply_chat_template(sent, add_generation_prompt=True, tokenize=True)
+            assert turn["prompt_token_ids"] == list(want["input_ids"] if hasattr(want, "keys") else want), row["id"]
+            ids = turn["completion_token_ids"]
+            assert len(ids) == turn["usage"]["completion_tokens"]
+            # The reasoning parser split `<think>R</think>C`; the ids hold exactly that text.
+            text = tok.decode(ids, skip_special_tokens=True)
+            text = text[len("<think>"):] if text.startswith("<think>") else text
+            reasoning, sep, content = text.partition("</think>")
+            assert (reasoning, content) == (turn["reasoning"], turn["content"]), row["id"]
+            if turn["finish_reason"] == "stop":
+                assert ids[-1] == im_end  # the stop token is generated, and learned
+            turns_checked += 1
+            closed += bool(sep)
+    assert turns_checked == 16 + sum(len(p["messages"]) == 2 for p in prompts) and closed >= turns_checked // 2
+
+    samples = list(iter_jsonl(data / "train.jsonl")) + list(iter_jsonl(data / "eval.jsonl"))
+    assert sorted(s["id"] for s in samples) == sorted(raw)
+    for s in samples:
+        last = raw[s["id"]]["turns"][-1]
+        p, c = last["prompt_token_ids"], last["completion_token_ids"]
+        assert s["input_ids"] == p + c and s["loss_mask"] == [0] * len(p) + [1] * len(c)

@@ -16,11 +16,23 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, build_chat_tokenizer, build_slow_chat_tokenizer
+from conftest import (
+    KIMI_LIKE_SPECIAL,
+    KIMI_LIKE_TEMPLATE,
+    PROMPT_ENDS_MID_WORD_TEMPLATE,
+    build_chat_tokenizer,
+    build_slow_chat_tokenizer,
+)
 
 from common.errors import DataError
 from common.tiny_target import CHAT_TEMPLATE as QWEN_STYLE_TEMPLATE
-from common.tokenization import load_tokenizer, stop_token_ids, tokenize_conversation, tokenize_server_ids
+from common.tokenization import (
+    TokenBoundaryError,
+    load_tokenizer,
+    stop_token_ids,
+    tokenize_conversation,
+    tokenize_server_ids,
+)
 
 LLAMA3_STYLE_TEMPLATE = (
     "{{- bos_token -}}"
@@ -312,22 +324,15 @@ def test_slow_tokenizer_gives_what_the_fast_path_gives(tmp_path, family):
 def test_slow_tokenizer_token_merging_across_the_reply_boundary_is_rejected(tmp_path):
     """A generation prompt ending inside a word ("...\\nA") whose reply continues it ("nswer"):
     the tokens up to the reply are not a prefix of the tokens through it."""
-    template = (
-        "{%- for message in messages -%}"
-        "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\nA' + message['content'] + '<|im_end|>\\n' -}}"
-        "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
-        "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\nA' -}}{%- endif -%}"
-    )
-    slow = build_slow_tokenizer(tmp_path / "slow", template, QWEN_SPECIAL, THINK, "<|im_end|>")
-    fast = build_tokenizer(tmp_path / "fast", template, QWEN_SPECIAL, THINK, "<|im_end|>")
+    slow = build_slow_tokenizer(tmp_path / "slow", PROMPT_ENDS_MID_WORD_TEMPLATE, QWEN_SPECIAL, THINK, "<|im_end|>")
+    fast = build_tokenizer(tmp_path / "fast", PROMPT_ENDS_MID_WORD_TEMPLATE, QWEN_SPECIAL, THINK, "<|im_end|>")
     fine = [USER1, {"role": "assistant", "content": " 42."}]
     assert masked_runs(slow, tokenize_conversation(slow, fine, 4096)) == [" 42.<|im_end|>"]
     assert tokenize_conversation(fast, fine, 4096) == tokenize_conversation(slow, fine, 4096)
     merging = [USER1, {"role": "assistant", "content": "nswer to turn 1"}]
-    with pytest.raises(DataError, match="not a fast tokenizer.*token merges across.*token_ids_from=server"):
+    with pytest.raises(TokenBoundaryError, match="not a fast tokenizer.*token merges across.*token_ids_from=server"):
         tokenize_conversation(slow, merging, 4096)
-    with pytest.raises(DataError, match="straddles.*token merges across.*token_ids_from=server"):  # the fast path agrees
+    with pytest.raises(TokenBoundaryError, match="straddles.*token merges across.*token_ids_from=server"):  # fast agrees
         tokenize_conversation(fast, merging, 4096)
 
 
