@@ -13,6 +13,7 @@ User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from typing import Callable
@@ -56,6 +57,13 @@ def stage_main(
         code = run(cfg, args)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; free space (or fix the filesystem) and rerun: finished work is kept",
+              file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; finished work is saved, rerun the same command to resume", file=sys.stderr)

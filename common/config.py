@@ -375,6 +375,10 @@ def validate(cfg: Config) -> None:
     _require(g.fsync_every >= 1, f"generate.fsync_every must be >= 1, got {g.fsync_every}")
     _require(cfg.tokenize.max_seq_len >= 8, f"tokenize.max_seq_len must be >= 8, got {cfg.tokenize.max_seq_len}")
     _require(cfg.tokenize.overlong in ("truncate", "drop"), f"tokenize.overlong must be 'truncate' or 'drop', got '{cfg.tokenize.overlong}'")
+    _require(
+        cfg.tokenize.token_ids_from in ("template", "server"),
+        f"tokenize.token_ids_from must be 'template' or 'server', got '{cfg.tokenize.token_ids_from}'",
+    )
     _require(cfg.extract.dtype in ("bfloat16", "float16", "float32"), f"extract.dtype must be bfloat16, float16 or float32, got '{cfg.extract.dtype}'")
     _require(cfg.extract.batch_max_tokens >= 1 and cfg.extract.shard_max_tokens >= 1, "extract.batch_max_tokens and extract.shard_max_tokens must be >= 1")
     _require(cfg.vocab.draft_vocab_size >= 1, f"vocab.draft_vocab_size must be >= 1, got {cfg.vocab.draft_vocab_size}")

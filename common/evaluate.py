@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -156,6 +157,9 @@ def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str
 
 def make_client(cfg: Config, base_url: str):
     from openai import OpenAI
+
+    for name in ("httpx", "httpx2"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     # openai-python defaults to a 600 s timeout and 2 silent retries: set both explicitly.
     return OpenAI(base_url=base_url, api_key=api_key_from_env(cfg), timeout=cfg.generate.timeout_s, max_retries=2)

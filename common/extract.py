@@ -105,8 +105,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import ConfigError, DataError, PipelineError
 from common.io import atomic_path, atomic_write_json, read_json
+from common.model_loading import check_safetensors_readable
 
 log = logging.getLogger("extract")
 
@@ -164,30 +166,16 @@ class SplitScan:
 
 
 def parse_sample(line: bytes, path: Path, lineno: int) -> dict:
-    """Parse and check one tokenized line: {"id": str, "input_ids": [int], "loss_mask": [0|1]}."""
-    try:
-        row = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}:{lineno}: malformed JSONL line ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
-    if not isinstance(row, dict) or "input_ids" not in row or "loss_mask" not in row or "id" not in row:
-        raise DataError(f"{path}:{lineno}: expected an object with id, input_ids and loss_mask; rerun 01b_generate_synthetic.py")
-    sid, ids, mask = str(row["id"]), row["input_ids"], row["loss_mask"]
-    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
-        raise DataError(f"sample '{sid}' ({path}:{lineno}): input_ids and loss_mask must be lists of the same length")
-    if not ids:
-        raise DataError(f"sample '{sid}' ({path}:{lineno}) has no tokens; remove it or rerun 01b_generate_synthetic.py")
-    return {"id": sid, "input_ids": ids, "loss_mask": mask}
+    """Parse and check one tokenized line; 02 additionally refuses empty samples."""
+    sample = parse_tokenized_line(line, path, lineno)
+    if not sample["input_ids"]:
+        raise DataError(f"sample '{sample['id']}' ({path}:{lineno}) has no tokens; remove it or rerun 01b_generate_synthetic.py")
+    return sample
 
 
 def check_sample(sample: dict, vocab_size: int, max_positions: int | None, model: str) -> None:
     sid, ids = sample["id"], sample["input_ids"]
-    hi, lo = max(ids), min(ids)
-    if hi >= vocab_size or lo < 0:
-        bad = hi if hi >= vocab_size else lo
-        raise DataError(
-            f"sample '{sid}' has token id {bad}, outside the target vocab [0, {vocab_size}) of '{model}': "
-            f"the data was tokenized with a different tokenizer; rerun 01b_generate_synthetic.py with the target's tokenizer"
-        )
+    check_token_range(sample, vocab_size, f"'{model}'")
     if max_positions is not None and len(ids) > max_positions:
         raise DataError(
             f"sample '{sid}' has {len(ids)} tokens, more than the target's max_position_embeddings {max_positions}; "
@@ -455,6 +443,9 @@ def load_target_model(cfg, device: str, local_rank: int = 0, world_size: int = 1
         model = AutoModelForCausalLM.from_pretrained(cfg.target.model, **kwargs)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load target.model '{cfg.target.model}': {str(e).splitlines()[0]}") from None
+    except Exception as e:  # safetensors' own error types on a truncated/corrupt shard
+        check_safetensors_readable(cfg.target.model)  # raises naming the bad file
+        raise DataError(f"cannot load target.model '{cfg.target.model}': {type(e).__name__}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(placement)
     model.eval()

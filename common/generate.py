@@ -497,7 +497,7 @@ class Generator:
             finished, _ = await asyncio.wait(self.workers, return_when=asyncio.FIRST_EXCEPTION)
             for task in finished:
                 if not task.cancelled() and task.exception() is not None:
-                    self.request_stop("error")
+                    self.request_stop("a worker failed")
                     await asyncio.wait(self.workers)
                     raise task.exception()
         finally:

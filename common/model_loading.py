@@ -168,6 +168,15 @@ def _open_safetensors(path: Path):
         ) from None
 
 
+def check_safetensors_readable(model_path: str) -> None:
+    """Open every *.safetensors of a local model; a truncated or corrupt one raises DataError naming it."""
+    if not os.path.isdir(model_path):
+        return
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with _open_safetensors(f):
+            pass
+
+
 # Suffixes tried in order; multimodal wrappers prefix "language_model." and similar.
 _TENSOR_SUFFIXES = {
     "embed": ["model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight"],

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import DataError
 from common.io import atomic_path, atomic_write_json, read_json
 
@@ -52,19 +53,9 @@ def count_masked_tokens(path: Path, vocab_size: int, flush_every: int = 1 << 20)
             digest.update(line)
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-                sid, ids, mask = str(row["id"]), row["input_ids"], row["loss_mask"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{lineno}: malformed tokenized sample ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
-            if len(ids) != len(mask):
-                raise DataError(f"sample '{sid}' ({path}:{lineno}): input_ids and loss_mask lengths differ ({len(ids)} vs {len(mask)})")
-            if ids and (max(ids) >= vocab_size or min(ids) < 0):
-                bad = max(ids) if max(ids) >= vocab_size else min(ids)
-                raise DataError(
-                    f"sample '{sid}' has token id {bad}, outside the target vocab [0, {vocab_size}): the data was "
-                    f"tokenized with a different tokenizer; rerun 01b_generate_synthetic.py with the target's tokenizer"
-                )
+            sample = parse_tokenized_line(line, path, lineno)
+            check_token_range(sample, vocab_size)
+            ids, mask = sample["input_ids"], sample["loss_mask"]
             pending.extend(t for t, m in zip(ids, mask) if m)
             num_samples += 1
             if len(pending) >= flush_every:  # bincount in big blocks: fast, bounded memory

@@ -9,10 +9,12 @@ gives up on a request the server is still working on), and the client really put
   engine  vLLM's /metrics vllm:num_requests_running + vllm:num_requests_waiting, sampled every
           0.2 s: what reached the engine (requests still in vLLM's HTTP front end are not counted).
 On this 2-core machine the vLLM server and the client share the cores, so the wire-level average
-in the sustained phase is far below 512 (the client does not get enough CPU to turn answers into
-new requests as fast as the engine finishes them); the test only guards against gross regressions
-there (>= 50%). The >= 95% target is measured where it means something, with the client on its own
-core: bench/bench_generate.py (bench/RESULTS.md).
+in the sustained phase stays well below 512 (the client does not get enough CPU to turn answers
+into new requests as fast as the engine finishes them); the test guards against gross regressions
+there (>= 40%) and against stalls: while prompts are still queued, fewer than 1% of the requests
+in flight for 3 s or more means the server idles because of the client alone. The >= 95%
+target is measured where it means something, with the client on its own core:
+bench/bench_generate.py (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -132,6 +134,23 @@ def time_average(events: list[tuple[float, int, int]], start: float, end: float)
     return area / max(end - start, 1e-9)
 
 
+def longest_stall(events: list[tuple[float, int, int]], start: float, end: float, threshold: int) -> float:
+    """Longest time in [start, end] with fewer than `threshold` requests in flight."""
+    longest, since, level = 0.0, None, level_at(events, start)
+    if level < threshold:
+        since = start
+    for t, _, lv in events:
+        if not start < t <= end:
+            continue
+        if lv < threshold and since is None:
+            since = t
+        elif lv >= threshold and since is not None:
+            longest, since = max(longest, t - since), None
+    if since is not None:
+        longest = max(longest, end - since)
+    return longest
+
+
 def test_01b_puts_512_requests_in_flight_on_real_vllm_and_loses_nothing(vllm_server, tiny_target_dir, run_dir, write_config):
     prompts = [{"id": f"load-{i:04d}", "messages": [{"role": "user", "content": f"Tell me one fact about topic number {i}."}],
                 "split": "eval" if i % 10 == 0 else "train"} for i in range(NUM_PROMPTS)]
@@ -191,5 +210,11 @@ def test_01b_puts_512_requests_in_flight_on_real_vllm_and_loses_nothing(vllm_ser
     start = next(t for t, _, lv in events if lv >= CONCURRENCY)
     end = sent[NUM_PROMPTS - 1] if len(sent) >= NUM_PROMPTS else sent[-1]
     mean = time_average(events, start, end)
-    print(f"  sustained phase {end - start:.1f}s: on the wire {mean:.0f} of {CONCURRENCY} on average ({mean / CONCURRENCY:.0%})")
-    assert mean >= 0.5 * CONCURRENCY, f"the client kept only {mean:.0f} of {CONCURRENCY} requests in flight"
+    stall = longest_stall(events, start, end, threshold=CONCURRENCY // 100)
+    print(f"  sustained phase {end - start:.1f}s: on the wire {mean:.0f} of {CONCURRENCY} on average ({mean / CONCURRENCY:.0%}); "
+          f"longest stretch with fewer than {CONCURRENCY // 100} in flight: {stall:.2f}s")
+    # With prompts still queued, nothing on the wire means the server idles because of the client alone.
+    # (Stalls of 1-2 s happen now and then on this 2-core machine: httpcore scans its whole 512-connection
+    # pool, with a syscall per connection, for every request; sharding the pool removes them.)
+    assert stall < 3.0, f"the client had prompts to send but (almost) no request in flight for {stall:.1f}s"
+    assert mean >= 0.4 * CONCURRENCY, f"the client kept only {mean:.0f} of {CONCURRENCY} requests in flight"
