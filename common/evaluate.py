@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from common.config import Config, api_key_from_env
 from common.errors import DataError, PipelineError
-from common.io import atomic_write_json, iter_jsonl, read_json, write_jsonl_atomic
+from common.io import atomic_write_json, file_sha256, iter_jsonl, read_json, write_jsonl_atomic
 
 
 REPORT_VERSION = 1
@@ -106,14 +106,6 @@ def load_eval_prompts(cfg: Config) -> list[dict]:
     return prompts
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
@@ -124,8 +116,8 @@ def draft_fingerprint(draft_dir: Path) -> str:
     if not files:
         raise PipelineError(f"no model.safetensors in the draft directory {draft_dir}; run 04_train.py first (it writes train/final/)")
     if len(files) == 1:
-        return _sha256_file(files[0])
-    return _sha256_json([[f.name, _sha256_file(f)] for f in files])
+        return file_sha256(files[0])
+    return _sha256_json([[f.name, file_sha256(f)] for f in files])
 
 
 def sampling_params(cfg: Config) -> dict:
@@ -139,7 +131,7 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
     target_cfg = Path(cfg.target.model) / "config.json"
     return {
         "target": cfg.target.model,
-        "target_config_sha256": _sha256_file(target_cfg) if target_cfg.is_file() else None,
+        "target_config_sha256": file_sha256(target_cfg) if target_cfg.is_file() else None,
         "target_dtype": cfg.target.dtype,
         "prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in prompts]),
         "sampling": sampling_params(cfg),

@@ -107,7 +107,7 @@ from typing import Any, Callable
 
 from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import ConfigError, DataError, PipelineError
-from common.io import atomic_path, atomic_write_json, read_json
+from common.io import atomic_path, atomic_write_json, file_sha256, read_json
 from common.model_loading import check_safetensors_readable
 
 log = logging.getLogger("extract")
@@ -181,14 +181,6 @@ def check_sample(sample: dict, vocab_size: int, max_positions: int | None, model
             f"sample '{sid}' has {len(ids)} tokens, more than the target's max_position_embeddings {max_positions}; "
             f"lower tokenize.max_seq_len and rerun 01b_generate_synthetic.py"
         )
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def scan_split(path: Path, split: str, vocab_size: int, max_positions: int | None, model: str) -> SplitScan:

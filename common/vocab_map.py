@@ -26,20 +26,12 @@ import numpy as np
 
 from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import DataError
-from common.io import atomic_path, atomic_write_json, read_json
+from common.io import atomic_path, atomic_write_json, file_sha256, read_json
 
 log = logging.getLogger("vocab_map")
 
 MAP_NAME = "vocab_map.safetensors"
 REPORT_NAME = "report.json"
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def count_masked_tokens(path: Path, vocab_size: int, flush_every: int = 1 << 20) -> tuple[np.ndarray, int, str]:
@@ -112,7 +104,7 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
         report_path.unlink(missing_ok=True)
     elif report_path.is_file() and map_path.is_file():  # the report is written last: both = complete
         report = read_json(report_path)
-        same = (report.get("train_sha256") == _file_sha256(train) and report.get("requested_draft_vocab_size") == requested
+        same = (report.get("train_sha256") == file_sha256(train) and report.get("requested_draft_vocab_size") == requested
                 and report.get("target_vocab_size") == vocab_size)
         if not same:
             raise DataError(
