@@ -6,7 +6,8 @@ Order: [tiny target] -> 01 prepare data -> start vLLM on the target -> 01b gener
 that server) -> target-alone baseline for 05 (same server) -> stop the server -> 02 extract
 hidden states -> 03 vocab map -> 04 train -> 05 evaluate (starts its own server with the draft).
 Each stage runs as a subprocess with the same --config and --set arguments; its output goes
-to the console and to run_dir/logs/<stage>.log. Every stage resumes, so rerunning this command
+to the console and to run_dir/logs/<stage>.log; each run's stage timings are appended to
+run_dir/logs/pipeline_runs.jsonl. Every stage resumes, so rerunning this command
 continues where it stopped; finished stages say "already complete".
 
 --tiny-target FAMILY builds the embedded tiny target (common/tiny_target.py, cached under
@@ -311,13 +312,15 @@ class Pipeline:
                 return f"pipeline stopped after {name} (--stop-after)"
         return "pipeline complete"
 
-    def write_timings(self, outcome: str) -> None:
-        from common.io import atomic_write_json
+    def record_run(self, outcome: str) -> None:
+        """Append this run's stage timings to logs/pipeline_runs.jsonl (one line per run)."""
+        from common.io import JsonlAppender
 
-        atomic_write_json(self.logs / "pipeline_timings.json", {
-            "outcome": outcome, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "stages": [{"stage": n, "seconds": round(t, 1), "status": st} for n, t, st in self.timings],
-        })
+        with JsonlAppender(self.logs / "pipeline_runs.jsonl", fsync_every=1) as runs:
+            runs.write({
+                "outcome": outcome, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "stages": [{"stage": n, "seconds": round(t, 1), "status": st} for n, t, st in self.timings],
+            })
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if pipeline is not None:
             pipeline.stop_server()
-            pipeline.write_timings(outcome)
+            pipeline.record_run(outcome)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 What runs is exactly 04's inner step (common.trainer): the EAGLE-3 draft (common.draft_model,
 fp32 master weights, frozen target embedding inside), the TTT loss (common.ttt.ttt_loss) under
-bf16 autocast with the target lm_head in bf16 as the teacher, backward, grad-norm clipping and a
-fused AdamW step. The inputs are synthetic (random hidden states of the right shapes: the speed
+bf16 autocast with the target lm_head in bf16 as the teacher, backward, grad-norm clipping and
+the AdamW step (foreach on GPU, as 04). The inputs are synthetic (random hidden states of the right shapes: the speed
 does not depend on their values): one packed row per micro-batch holding one sample of
 `seq_len` tokens, ttt_steps 7.
 
@@ -23,7 +23,7 @@ step i (those with a target inside the sample and loss_mask 1), one sample of le
   fc, step 0 only (x2: no input gradient): 2 * 2*(3*H_t)*H per token
   teacher (forward only, once per micro-batch): 2*H_t*V per token
 MFU = FLOPs per step / step time / peak dense bf16 FLOP/s of the device (table below or
---peak-tflops).
+--peak-tflops). --smoke checks the formula against torch.utils.flop_counter (exact, CPU).
 
     python bench/gpu_train_bench.py                      # both drafts, seq 2048 and 4096 (GPU)
     python bench/gpu_train_bench.py --smoke              # tiny sizes on CPU (checks the script)
@@ -85,15 +85,17 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
 def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator):
     """One packed row with one sample: what common.train_data hands the trainer (bf16 states)."""
     H, V = spec["hidden"], spec["vocab"]
-    aux = torch.randn(seq_len, 3 * H, generator=gen, dtype=torch.float32).to(device, torch.bfloat16)
-    final = torch.randn(seq_len, H, generator=gen, dtype=torch.float32).to(device, torch.bfloat16)
-    ids = torch.randint(0, V, (seq_len,), generator=gen).to(device)
-    mask = torch.ones(seq_len, dtype=torch.uint8)
+    aux = torch.randn(seq_len, 3 * H, generator=gen, device=device, dtype=torch.bfloat16)
+    final = torch.randn(seq_len, H, generator=gen, device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, V, (seq_len,), generator=gen, device=device)
+    mask = torch.ones(seq_len, dtype=torch.uint8, device=device)
     mask[: seq_len // 10] = 0  # a prompt part without loss
-    return aux, ids, final, mask.to(device), torch.arange(seq_len, device=device), [seq_len]
+    return aux, ids, final, mask, torch.arange(seq_len, device=device), [seq_len]
 
 
 def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_checkpointing: bool, attention: str):
+    """The draft as 04 builds it (fp32 master weights, frozen embedding, vocab map), the bf16 teacher
+    lm_head, and 04's AdamW (two groups, foreach on GPU)."""
     from common.draft_model import DraftModelConfig, Eagle3DraftModel
 
     H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
@@ -103,26 +105,25 @@ def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_check
                            target_hidden_size=H, aux_layer_ids=[2, 30, 58], rope_theta=500000.0)
     torch.manual_seed(0)
     with torch.device(device):
-        draft = Eagle3DraftModel(cfg)  # fp32 master weights, as 04 keeps them
-    draft_ids = torch.sort(torch.randperm(V, generator=gen)[:Vd]).values
+        draft = Eagle3DraftModel(cfg)
+    draft_ids = torch.sort(torch.randperm(V, generator=gen, device=device)[:Vd]).values.cpu()
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[draft_ids] = True
     draft.set_vocab_map(draft_ids - torch.arange(Vd), t2d)
     draft.gradient_checkpointing = gradient_checkpointing
     draft.attention_impl = attention
-    lm_head = (torch.randn(V, H, generator=gen) * H ** -0.5).to(device, torch.bfloat16)  # the teacher, bf16 as in 04
+    lm_head = torch.randn(V, H, generator=gen, device=device, dtype=torch.bfloat16) * H ** -0.5
     params = [p for p in draft.parameters() if p.requires_grad]
-    fused = device.type == "cuda"
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.0},
                                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(0.9, 0.95), fused=fused, foreach=None if fused else False)
+                                  lr=1e-4, betas=(0.9, 0.95), foreach=device.type == "cuda")
     return draft, lm_head, optimizer, sum(p.numel() for p in params)
 
 
 def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
     from common.ttt import ttt_loss
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -175,6 +176,30 @@ def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
     return result
 
 
+def check_flop_formula() -> str:
+    """--smoke: the formula against torch's FLOP counter on one CPU step (no checkpointing, naive
+    attention, whose dense masked scores are counted in full), so the non-attention terms must match exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from common.ttt import ttt_loss
+
+    spec, T, K = CONFIGS["smoke-a"], 96, 3
+    gen = torch.Generator().manual_seed(0)
+    draft, lm_head, _, _ = build(spec, torch.device("cpu"), T, gen, False, "naive")
+    draft.attn_checkpoint_chunks = False
+    batch = synthetic_batch(spec, T, torch.device("cpu"), gen)
+    with FlopCounterMode(display=False) as counter:
+        out = ttt_loss(draft, *batch, lm_head.float(), K, 0.8, checkpoint_chunks=False)
+        out.loss.backward()
+    f = step_flops(spec, T, K, out.step_counts)
+    dense_attention = 3 * sum(4 * spec["heads"] * spec["head_dim"] * T * (i + 1) * T for i in range(K))
+    expected = f["total"] - f["attention"] + dense_attention
+    counted = counter.get_total_flops()
+    if counted != expected:
+        raise SystemExit(f"FLOP formula mismatch: torch counts {counted}, the formula gives {expected}")
+    return f"FLOP formula checked against torch.utils.flop_counter: {counted:,} FLOPs, exact"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed: checks that the script runs")
@@ -204,6 +229,9 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()}, "results": [], "errors": [],
     }
     print(f"gpu_train_bench: {doc['device']}, torch {doc['torch']}; writing {out_path}", flush=True)
+    if args.smoke:
+        doc["flop_check"] = check_flop_formula()
+        print(doc["flop_check"], flush=True)
     for name in configs:
         for seq_len in seq_lens:
             try:
@@ -216,11 +244,11 @@ def main() -> None:
             doc["results"].append(r)
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             print(f"{name:8} seq {seq_len:5}: {r['tokens_per_s']:>9,.0f} tok/s  step {r['step_s_median'] * 1e3:8.1f} ms  "
-                  f"{r['flops_per_step'] / 1e12:7.2f} TFLOP/step  {r['achieved_tflops']:7.1f} TFLOP/s  MFU {mfu:>6}  "
+                  f"{r['flops_per_step'] / 1e12:8.4g} TFLOP/step  {r['achieved_tflops']:8.4g} TFLOP/s  MFU {mfu:>6}  "
                   f"peak mem {r['peak_memory_gb']:6.2f} GB  ({r['trainable_params'] / 1e6:.1f}M trainable params)", flush=True)
             f = r["flops_breakdown"]
-            print(f"{'':8} FLOPs/step: " + ", ".join(f"{k} {v / 1e12:.3f}T" for k, v in f.items() if k != "total")
-                  + f" = {f['total'] / 1e12:.3f}T", flush=True)
+            print(f"{'':8} FLOPs/step: " + ", ".join(f"{k} {v / 1e9:.4g}G" for k, v in f.items() if k != "total")
+                  + f" = {f['total'] / 1e9:.4g} GFLOP", flush=True)
             out_path.write_text(json.dumps(doc, indent=2) + "\n")
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out_path.write_text(json.dumps(doc, indent=2) + "\n")

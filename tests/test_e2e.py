@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -38,8 +39,8 @@ TINY_SETS = [
 ]
 
 
-def run_pipeline(run: Path, *args: str, timeout: float = 1500) -> tuple[int, str]:
-    log = run.parent / f"{run.name}-pipeline.log"
+def run_pipeline(run: Path, *args: str, timeout: float = 1500, log_name: str = "pipeline") -> tuple[int, str]:
+    log = run.parent / f"{run.name}-{log_name}.log"
     cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG),
            "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}", *args]
     with open(log, "wb") as out:
@@ -72,13 +73,16 @@ def test_pipeline_tiny_llama(tmp_path):
     check_measured(run, out)
     # Rerun: every stage finds its outputs complete, no server is started.
     t0 = time.monotonic()
-    code, out = run_pipeline(run, "--tiny-target", "llama", *[a for s in TINY_SETS for a in ("--set", s)], timeout=600)
+    code, out = run_pipeline(run, "--tiny-target", "llama", *[a for s in TINY_SETS for a in ("--set", s)], timeout=600, log_name="rerun")
     assert code == 0, out[-5000:]
     assert "starting a vLLM server" not in out
     table = out[out.index("pipeline complete"):]
     for stage in ("01_prepare_data", "01b_generate_synthetic", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"):
         assert re.search(rf"^{stage} .* already complete$", table, re.M), table
     print(f"rerun took {time.monotonic() - t0:.0f}s")
+    runs = [json.loads(line) for line in (run / "logs" / "pipeline_runs.jsonl").read_text().splitlines()]
+    assert [r["outcome"] for r in runs] == ["complete", "complete"]
+    assert {s["stage"] for s in runs[0]["stages"]} >= {"target", "vllm server start", "05_baseline", "04_train", "05_evaluate"}
 
 
 @pytest.mark.slow
@@ -93,6 +97,42 @@ def test_pipeline_tiny_qwen3_custom_vocab_and_aux_layers(tmp_path):
     assert draft_cfg["draft_vocab_size"] == 512
     assert draft_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert json.loads((run / "target" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigterm_while_serving_stops_the_vllm_server(tmp_path):
+    """SIGTERM (like Ctrl-C) once the generation server is up: exit 130, no vLLM process left."""
+    run = tmp_path / "term"
+    log = tmp_path / "term-pipeline.log"
+    cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG), "--tiny-target", "llama",
+           "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 900
+            while not (m := re.search(r"vLLM ready at http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+                time.sleep(1)
+            port = m.group(1)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text(errors="replace")
+    assert "interrupted during 01b_generate_synthetic" in text
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(f"--port {port}")]
+    assert left == [], [_cmdline(p) for p in left]
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", int(port))) != 0  # nothing listens on the port any more
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 # ----------------------------------------------------------------------------- fast: run_pipeline's own behaviour
