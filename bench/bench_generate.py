@@ -117,10 +117,6 @@ class InstantServer:
 
 
 def serve_main(port: int) -> None:
-    try:
-        import uvloop  # noqa: F401 - not required; plain asyncio is fast enough for one core
-    except ImportError:
-        pass
     asyncio.run(InstantServer().serve(port))
 
 

@@ -339,6 +339,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
         tree = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e}); save it as UTF-8") from None
     if tree is not None and not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must contain a mapping of sections, got {type(tree).__name__}")
     # Overrides are resolved relative to the cwd, file values relative to the file.

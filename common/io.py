@@ -8,6 +8,7 @@ and cut off before appending again.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -40,6 +41,10 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    # A run killed mid-write left its temp file behind (for train.jsonl, GBs); each final file has
+    # one writer at a time, so any earlier temp file of the same name is stale.
+    for stale in final.parent.glob(f".tmp-{glob.escape(final.name)}.*"):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{final.name}.", dir=final.parent)
     os.close(fd)
     tmp_path = Path(tmp)
