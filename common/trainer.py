@@ -138,7 +138,8 @@ def load_vocab_map(run_dir: Path, target_vocab: int, draft_vocab_size: int) -> t
     d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
     if t2d.numel() != target_vocab:
         raise DataError(f"vocab map {path} is for a target vocab of {t2d.numel()} tokens but the target has {target_vocab}; {RERUN_03}")
-    if d2t.numel() != draft_vocab_size:
+    # 03 caps a draft vocab larger than the target's at the target vocab (with a warning).
+    if d2t.numel() != min(draft_vocab_size, target_vocab):
         raise DataError(
             f"vocab map {path} has {d2t.numel()} draft tokens but vocab.draft_vocab_size={draft_vocab_size}; "
             f"{RERUN_03} (or set vocab.draft_vocab_size={d2t.numel()})"

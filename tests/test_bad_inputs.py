@@ -17,7 +17,7 @@ Each case must end in one of two ways, and never in a corrupted or silently shor
 | wrong value type, invalid YAML         | config              | error naming the key / file                   |
 | tokenizer / model mismatch             | 01b / 02 / 03       | error                                         |
 | aux layer id out of range, duplicated  | config / 02         | error with a valid suggestion                 |
-| draft vocab larger than target vocab   | 03 / 04             | capped with a warning in 03; error in 04      |
+| draft vocab larger than target vocab   | 03 / 04             | capped with a warning in 03; 04 uses the capped map, errors on any other mismatch|
 | missing / truncated safetensors        | 02 / 04 (hidden, target weights, vocab map) | error naming the file |
 | missing input file                     | 01b / 04            | error naming the stage to run first           |
 | server answers non-JSON / no choices   | 01b                 | retried; then failed.jsonl with the reason    |
