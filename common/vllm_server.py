@@ -339,7 +339,11 @@ def spec_decode_metrics(samples: dict) -> dict[str, Any]:
     for labels, v in rows:
         if "position" in labels:
             per_pos[int(labels["position"])] += v
-    per_pos = dict(sorted(per_pos.items()))
+    return _spec_decode_summary(drafts, draft_tokens, accepted, dict(sorted(per_pos.items())))
+
+
+def _spec_decode_summary(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float]) -> dict[str, Any]:
+    """The counters plus what they imply: acceptance length = 1 + accepted / drafts."""
     return {
         "num_drafts": drafts,
         "num_draft_tokens": draft_tokens,
@@ -357,12 +361,4 @@ def metrics_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     per_pos = {k: v - before["num_accepted_tokens_per_pos"].get(k, 0.0) for k, v in after["num_accepted_tokens_per_pos"].items()}
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "num_accepted_tokens_per_pos": per_pos,
-        "acceptance_length": 1.0 + accepted / drafts if drafts else None,
-        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "acceptance_rate_per_pos": {k: v / drafts for k, v in per_pos.items()} if drafts else {},
-    }
+    return _spec_decode_summary(drafts, draft_tokens, accepted, per_pos)

@@ -229,3 +229,14 @@ def stage_env(**extra: str) -> dict:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to other processes on the machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,12 +25,7 @@ H, H_T, V, V_D = 64, 48, 300, 100
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(layers=1, seed=0, **kw) -> Eagle3DraftModel:

@@ -14,13 +14,7 @@ from common.ttt import TTTOutput, teacher_from_final_hidden, ttt_loss
 H, H_T, V, V_D = 64, 48, 300, 100
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to other processes on the machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(seed=0, layers=1, vocab=V, draft_vocab=V_D) -> Eagle3DraftModel:
