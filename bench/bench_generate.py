@@ -187,20 +187,21 @@ async def run_bare(base_url: str, items: list[dict], concurrency: int) -> None:
 
 async def run_01b(base_url: str, items: list[dict], concurrency: int, out_dir: Path) -> dict:
     from common.config import config_from_dict
-    from common.generate import Generator, make_client
+    from common.generate import Generator, make_clients
     from common.io import JsonlAppender
 
     cfg = config_from_dict({"run_dir": str(out_dir), "generate": {
         "base_url": base_url, "concurrency": concurrency, "timeout_s": 600, "max_retries": 0, "max_tokens": 256}})
-    client = make_client(cfg)
+    clients = make_clients(cfg)  # exactly what 01b uses
     raw_path = out_dir / "raw_responses.jsonl"
     raw_path.unlink(missing_ok=True)
     try:
         with JsonlAppender(raw_path, cfg.generate.fsync_every) as raw, JsonlAppender(out_dir / "failed.jsonl", 1) as failed:
-            gen = Generator(cfg, client, "bench-model", raw, failed)
+            gen = Generator(cfg, clients, "bench-model", raw, failed)
             await gen.run(items)
     finally:
-        await client.close()
+        for c in clients:
+            await c.close()
     s = gen.stats
     assert s.done == len(items) and s.failed == 0, (s.done, s.failed)
     return {"client_max_in_flight": s.max_in_flight, "client_avg_in_flight": round(s.avg_in_flight(), 1)}

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
+import math
 import random
 import signal
 import sys
@@ -320,10 +322,11 @@ class RunStats:
 class Generator:
     """Runs the requests for a list of prompts with `concurrency` workers."""
 
-    def __init__(self, cfg: Config, client, model: str, raw: JsonlAppender, failed: JsonlAppender, seed: int = 0):
+    def __init__(self, cfg: Config, clients, model: str, raw: JsonlAppender, failed: JsonlAppender, seed: int = 0):
         self.cfg = cfg
         self.g = cfg.generate
-        self.client = client
+        # Requests go round-robin over the clients (see make_clients).
+        self._clients = itertools.cycle(clients if isinstance(clients, (list, tuple)) else [clients])
         self.model = model
         self.raw = raw
         self.failed = failed
@@ -345,7 +348,7 @@ class Generator:
             self.stats.change_in_flight(+1)
             t0 = time.monotonic()
             try:
-                resp = await self.client.chat.completions.create(
+                resp = await next(self._clients).chat.completions.create(
                     model=self.model,
                     messages=messages,
                     max_tokens=g.max_tokens,
@@ -518,12 +521,26 @@ class _Failed(Exception):
 # ----------------------------------------------------------------------------- server checks
 
 
-def make_client(cfg: Config):
+# httpx's pool checks every pooled connection on each request (O(pool size) syscalls), so one
+# client with 512 connections makes the client CPU-bound; pools of 64 halve the CPU per request
+# (bench/RESULTS.md).
+CONNECTIONS_PER_CLIENT = 64
+
+
+def make_clients(cfg: Config) -> list:
+    """Enough clients of at most CONNECTIONS_PER_CLIENT connections to keep `concurrency` in flight."""
+    n = max(1, math.ceil(cfg.generate.concurrency / CONNECTIONS_PER_CLIENT))
+    per_client = math.ceil(cfg.generate.concurrency / n)
+    return [make_client(cfg, per_client) for _ in range(n)]
+
+
+def make_client(cfg: Config, connections: int | None = None):
     import httpx2
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     g = cfg.generate
-    limits = httpx2.Limits(max_connections=g.concurrency + 8, max_keepalive_connections=g.concurrency + 8)
+    connections = (connections or g.concurrency) + 8
+    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
     return AsyncOpenAI(
         base_url=g.base_url,
         api_key=api_key_from_env(cfg),
@@ -872,9 +889,14 @@ async def _generate(cfg: Config, paths: Paths, todo: list[dict], tokenizer):
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
         if cfg.tokenize.token_ids_from == "server":
             await check_server_token_ids(client, cfg, model)
-        with JsonlAppender(paths.raw, cfg.generate.fsync_every) as raw, JsonlAppender(paths.failed, 1) as failed:
-            generator = Generator(cfg, client, model, raw, failed, seed=cfg.data.seed)
-            completed = await generator.run(todo)
+        pool = make_clients(cfg)
+        try:
+            with JsonlAppender(paths.raw, cfg.generate.fsync_every) as raw, JsonlAppender(paths.failed, 1) as failed:
+                generator = Generator(cfg, pool, model, raw, failed, seed=cfg.data.seed)
+                completed = await generator.run(todo)
+        finally:
+            for c in pool:
+                await c.close()
         return generator, not completed, model, tok_check
     finally:
         await client.close()
