@@ -146,6 +146,19 @@ class SlowBPETokenizer(PreTrainedTokenizer):
 # Kimi-K2.5's chat template in miniature: no newlines between turns, the generation prompt
 # ends with <think>, and every assistant turn is rendered as <think></think>content (its
 # reasoning stripped), so the template cannot reproduce what the model generated.
+# Like the real Qwen3 template: reasoning is only rendered for the last assistant message.
+DROPS_OLD_REASONING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' and message.get('reasoning') and loop.last -%}"
+    "{{- '<think>\\n' + message['reasoning'] + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
 KIMI_LIKE_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}"

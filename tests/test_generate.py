@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, REPO, build_chat_tokenizer, build_slow_chat_tokenizer, stage_env
+from conftest import DROPS_OLD_REASONING_TEMPLATE, KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, REPO, build_chat_tokenizer, build_slow_chat_tokenizer, stage_env
 from fault_server import (
     ALWAYS_FAIL_MARKER,
     BAD_REQUEST_MARKER,
@@ -596,17 +596,7 @@ def test_kimi_like_target_fails_fast_in_template_mode_and_works_from_server_ids(
 
 
 def test_template_that_rewrites_history_fails_fast_only_with_multi_turn_prompts(run_dir, write_config, tmp_path, api_key):
-    drops_old_reasoning = (  # like Qwen3's: reasoning rendered only for the last assistant message
-        "{%- for message in messages -%}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-        "{%- if message['role'] == 'assistant' and message.get('reasoning') and loop.last -%}"
-        "{{- '<think>\\n' + message['reasoning'] + '\\n</think>\\n\\n' -}}"
-        "{%- endif -%}"
-        "{{- message['content'] + '<|im_end|>\\n' -}}"
-        "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    )
-    tok_dir = build_chat_tokenizer(tmp_path / "tok", drops_old_reasoning)
+    tok_dir = build_chat_tokenizer(tmp_path / "tok", DROPS_OLD_REASONING_TEMPLATE)
     make_prompts(run_dir, 3)  # p002 has two user turns
     with FaultServer(Faults(seed=2)) as server:
         with pytest.raises(DataError, match="not prefix-stable.*set tokenize.token_ids_from=server"):

@@ -17,6 +17,7 @@ from collections import Counter
 
 import pytest
 from conftest import (
+    DROPS_OLD_REASONING_TEMPLATE,
     KIMI_LIKE_SPECIAL,
     KIMI_LIKE_TEMPLATE,
     PROMPT_ENDS_MID_WORD_TEMPLATE,
@@ -46,17 +47,6 @@ LLAMA3_STYLE_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 
-# Like the real Qwen3 template: reasoning is only rendered for the last assistant message.
-DROPS_OLD_REASONING_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['role'] == 'assistant' and message.get('reasoning') and loop.last -%}"
-    "{{- '<think>\\n' + message['reasoning'] + '\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{{- message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
 
 IGNORES_REASONING_TEMPLATE = (
     "{%- for message in messages -%}"

@@ -117,15 +117,6 @@ def build_run(root: Path, n_train: int = 64, n_eval: int = 16) -> Path:
     return cfg_path
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning OpenMP threads cost more than they give."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def train_fixture(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train-fixture")
@@ -261,7 +252,7 @@ def test_micro_batch_contents_match_shards(train_fixture):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_training_learns_and_reports(train_fixture, tmp_path, one_thread):
+def test_training_learns_and_reports(train_fixture, tmp_path, one_torch_thread):
     from common.config import load_config
     from common.trainer import expected_acceptance_length, run_training
 
