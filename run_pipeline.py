@@ -178,9 +178,9 @@ def generation_pending(cfg) -> bool:
 
 
 def baseline_pending(cfg) -> bool:
-    from common.evaluate import cached_baseline
+    from common.evaluate import missing_baselines
 
-    return cached_baseline(cfg) is None
+    return bool(missing_baselines(cfg))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -212,11 +212,9 @@ def _size(path: Path) -> str:
         total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     else:
         total = path.stat().st_size
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if total < 1024 or unit == "TB":
-            return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"
-        total /= 1024
-    return "?"
+    from common.io import format_bytes
+
+    return format_bytes(total)
 
 
 def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> None:

@@ -7,7 +7,9 @@ A stage script is a thin wrapper:
     if __name__ == "__main__":
         stage_main("01_prepare_data", __doc__, run)
 
-User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130.
+User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130. Each stage holds
+an exclusive lock on run_dir for its life (common.run_folder.stage_lock): a second copy on the
+same run_dir exits 2 naming the holder's pid.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ def build_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stage_lock(cfg, stage: str):
+    """One copy of a stage per run_dir. Under torchrun only global rank 0 takes it: the ranks of
+    one launch are one copy (a second launch fails on its rank 0, and torchrun stops the rest)."""
+    import contextlib
+    import os
+
+    from common.run_folder import stage_lock
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return stage_lock(cfg.run_dir, stage)
+
+
 def stage_main(
     prog: str,
     description: str | None,
@@ -54,7 +69,8 @@ def stage_main(
 
     try:
         cfg = load_config(args.config, args.overrides)
-        code = run(cfg, args)
+        with _stage_lock(cfg, prog):
+            code = run(cfg, args)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model and its training-time-test (TTT) forward pass.
 
-Architecture (reference/eagle3-spec.md §1, identical to the official EAGLE-3 / SpecForge draft
+Architecture (docs/design.md#draft-architecture, identical to the official EAGLE-3 / SpecForge draft
 and to vLLM's `llama_eagle3.py`):
 
     g = fc(concat(aux_0, aux_1, aux_2))                  # target features -> H, step 0 only
@@ -17,7 +17,7 @@ State dict names are exactly the names of the official vLLM checkpoint format: `
 `midlayer.` to `layers.0.`), `norm.weight`, `lm_head.weight`, buffers `d2t` / `t2d`, and the
 frozen `embed_tokens.weight` (dropped on export unless asked for).
 
-TTT (spec §4): `forward_ttt_hidden` unrolls `ttt_steps` draft steps over one packed row of
+TTT (docs/design.md#ttt-alignment-and-loss): `forward_ttt_hidden` unrolls `ttt_steps` draft steps over one packed row of
 samples. At step i, index t of a sample of length L:
   - hidden input = fc(aux[t]) at step 0, else the draft's own pre-norm output of step i-1 at t;
   - token input  = x_{t+1+i} (teacher forcing; positions past the sample end get token 0 and are
@@ -109,7 +109,7 @@ class DraftModelConfig:
         return len(self.aux_layer_ids)
 
     def to_vllm_config(self, **extra) -> dict:
-        """config.json of the official EAGLE-3 format (spec §5.1) that vLLM loads.
+        """config.json of the official EAGLE-3 format that vLLM loads (docs/design.md#vllm-checkpoint-format).
 
         RoPE is written in the legacy `rope_theta` / `rope_scaling` form, which transformers 4.x
         reads directly and transformers 5.x converts into `rope_parameters`.
@@ -155,14 +155,14 @@ class DraftModelConfig:
 
     @classmethod
     def from_vllm_config(cls, d: dict) -> "DraftModelConfig":
-        """Inverse of `to_vllm_config`; also reads speculators-format configs (spec §5.2) and
+        """Inverse of `to_vllm_config`; also reads speculators-format configs and
         transformers-5 `rope_parameters`."""
         d = dict(d)
         top = d
         if "transformer_layer_config" in d:  # speculators format
             d = {**d["transformer_layer_config"], **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
             if "norm_before_residual" not in top:
-                d["norm_before_residual"] = True  # vLLM's default for this format (spec §1.4)
+                d["norm_before_residual"] = True  # vLLM's default for this format (docs/design.md#draft-architecture)
         eagle_config = d.get("eagle_config") or {}
         ids = d.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids")
         if not ids:
@@ -203,6 +203,57 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+
+
+def _text_attr(tc, name: str, default=None):
+    value = getattr(tc, name, None)
+    if value is None and name == "rope_theta":  # transformers >= 5 keeps it in rope_parameters
+        rp = getattr(tc, "rope_parameters", None) or {}
+        value = rp.get("rope_theta") if isinstance(rp, dict) else None
+    return default if value is None else value
+
+
+def build_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list[int]):
+    """DraftModelConfig from the run config's draft section; nulls take the target's sizes."""
+    d, tc = cfg.draft, info.text_config
+    hidden = d.hidden_size or info.hidden_size
+    if hidden != info.hidden_size:
+        raise ConfigError(
+            f"draft.hidden_size={hidden} differs from the target's hidden size {info.hidden_size}; the draft reads the "
+            f"target's token embedding, so set draft.hidden_size to {info.hidden_size} or null"
+        )
+    heads = d.num_attention_heads or int(_text_attr(tc, "num_attention_heads"))
+    if d.num_key_value_heads:
+        kv = d.num_key_value_heads
+    else:
+        target_kv = int(_text_attr(tc, "num_key_value_heads", heads))
+        kv = target_kv if heads % target_kv == 0 else heads
+    head_dim = d.head_dim or hidden // heads
+    if heads % kv != 0:
+        raise ConfigError(f"draft.num_attention_heads={heads} must be a multiple of draft.num_key_value_heads={kv}")
+    max_pos = d.max_position_embeddings or max(int(_text_attr(tc, "max_position_embeddings", 0)), cfg.tokenize.max_seq_len)
+    if max_pos < cfg.tokenize.max_seq_len:
+        raise ConfigError(
+            f"draft.max_position_embeddings={max_pos} is below tokenize.max_seq_len={cfg.tokenize.max_seq_len}; "
+            f"set it to at least {cfg.tokenize.max_seq_len} (or null for the target's)"
+        )
+    return DraftModelConfig(
+        hidden_size=hidden,
+        intermediate_size=d.intermediate_size or int(_text_attr(tc, "intermediate_size", 4 * hidden)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        num_hidden_layers=d.num_hidden_layers,
+        rms_norm_eps=float(d.rms_norm_eps or _text_attr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=float(d.rope_theta or _text_attr(tc, "rope_theta", 10000.0)),
+        max_position_embeddings=int(max_pos),
+        vocab_size=info.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=info.hidden_size,
+        aux_layer_ids=list(aux_layer_ids),
+        norm_before_residual=d.norm_before_residual,
+        hidden_act=str(_text_attr(tc, "hidden_act", "silu")),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,7 +484,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Llama (neox-style) RoPE from the draft's own rope_theta / rope_scaling (spec §1.5).
+    """Llama (neox-style) RoPE from the draft's own rope_theta / rope_scaling (docs/design.md#draft-architecture).
 
     inv_freq is a plain fp32 attribute, not a buffer, so `model.to(bfloat16)` cannot round it.
     """

@@ -12,16 +12,25 @@ How (the same counter-delta method as `vllm bench serve` and speculators' evalua
    be identical with and without the draft (speculative decoding is lossless); mismatches are
    counted and listed in the report, never hidden.
 
-The target-alone run ("baseline") is cached in eval/baseline.json under a key of everything it
-depends on, so run_pipeline.py can take it on the generation server it already has running
-(`05_evaluate.py --baseline-only --base-url URL`) and this stage starts one server instead of two.
+Two prompt sets, each measured between its own pair of scrapes: the held-out prompts (the
+headline numbers) and, when evaluate.other_prompts is set, prompts of another kind than the
+training data (report["other_prompts"]): how well the draft generalises.
 
-Outputs under run_dir/eval/: report.json (atomic), report.png, outputs.jsonl (both outputs per
-prompt), baseline.json.
+The offline prediction (report["offline"]) is 04's replay of vLLM's rounds over the eval split
+(common.acceptance), with its relative error against the measured acceptance length.
+
+The target-alone run ("baseline") is cached in eval/baseline.json (eval/baseline-other.json) under
+a key of everything it depends on, so run_pipeline.py can take it on the generation server it
+already has running (`05_evaluate.py --baseline-only --base-url URL`) and this stage starts one
+server instead of two.
+
+Outputs under run_dir/eval/: report.json (atomic), report.png, outputs.jsonl and
+outputs-other.jsonl (both outputs per prompt), baseline.json, baseline-other.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -75,12 +84,24 @@ def acceptance_metrics(delta: dict, num_speculative_tokens: int) -> dict:
 # ----------------------------------------------------------------------------- prompts and requests
 
 
-def load_eval_prompts(cfg: Config) -> list[dict]:
-    """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn.
+def _first_user_turn(row: dict) -> list[dict]:
+    """System turns and the first user turn; [] when there is no user turn.
 
     Multi-turn prompts carry only user turns (01_prepare_data drops the assistant ones), so
     the first turn is the only one that can be sent without the target's own answers.
     """
+    messages = []
+    for m in row.get("messages") or []:
+        if not isinstance(m, dict) or m.get("role") == "assistant":
+            continue
+        messages.append({"role": m.get("role"), "content": m.get("content")})
+        if m.get("role") == "user":
+            break
+    return messages if messages and messages[-1]["role"] == "user" else []
+
+
+def load_eval_prompts(cfg: Config) -> list[dict]:
+    """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn."""
     path = cfg.run_path / "data" / "prompts.jsonl"
     if not path.is_file():
         raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
@@ -88,14 +109,8 @@ def load_eval_prompts(cfg: Config) -> list[dict]:
     for row in iter_jsonl(path):
         if row.get("split") != "eval":
             continue
-        messages = []
-        for m in row.get("messages") or []:
-            if m.get("role") == "assistant":
-                continue
-            messages.append({"role": m["role"], "content": m["content"]})
-            if m.get("role") == "user":
-                break
-        if messages and messages[-1]["role"] == "user":
+        messages = _first_user_turn(row)
+        if messages:
             prompts.append({"id": row["id"], "messages": messages})
         if len(prompts) >= cfg.evaluate.num_prompts:
             break
@@ -103,6 +118,40 @@ def load_eval_prompts(cfg: Config) -> list[dict]:
         raise DataError(
             f"{path} has no eval-split prompts; set data.eval_fraction > 0 and rerun 01_prepare_data.py --overwrite"
         )
+    return prompts
+
+
+def load_other_prompts(cfg: Config) -> Optional[list[dict]]:
+    """The first evaluate.num_prompts prompts of evaluate.other_prompts (None when unset).
+
+    The set measures generalisation, so none of its prompts may be a training prompt.
+    """
+    if not cfg.evaluate.other_prompts:
+        return None
+    path = Path(cfg.evaluate.other_prompts)
+    if not path.is_file():
+        raise DataError(f"evaluate.other_prompts file not found: {path}; write it with `python scripts/make_sample_data.py "
+                        f"--other` or set evaluate.other_prompts=null")
+    prompts = []
+    for n, row in enumerate(iter_jsonl(path), 1):
+        messages = _first_user_turn(row) if isinstance(row, dict) else []
+        if not messages or not all(isinstance(m["content"], str) for m in messages):
+            raise DataError(f"{path} line {n} has no user turn with text content; each line needs "
+                            f"{{\"id\", \"messages\": [{{\"role\": \"user\", \"content\": ...}}]}}")
+        prompts.append({"id": str(row.get("id") or f"other-{n}"), "messages": messages})
+        if len(prompts) >= cfg.evaluate.num_prompts:
+            break
+    if not prompts:
+        raise DataError(f"{path} has no prompts; write it with `python scripts/make_sample_data.py --other`")
+    train_prompts = cfg.run_path / "data" / "prompts.jsonl"
+    if train_prompts.is_file():
+        user_text = lambda msgs: next(m["content"] for m in msgs if m["role"] == "user")  # noqa: E731
+        trained = {user_text(_first_user_turn(r)) for r in iter_jsonl(train_prompts)
+                   if r.get("split") == "train" and _first_user_turn(r)}
+        shared = [p["id"] for p in prompts if user_text(p["messages"]) in trained]
+        if shared:
+            raise DataError(f"evaluate.other_prompts {path} shares {len(shared)} prompt(s) with the training data "
+                            f"(first: {shared[0]}); the set must be kept apart from data.source")
     return prompts
 
 
@@ -139,11 +188,13 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
     }
 
 
-def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str) -> dict:
+def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str,
+               other: Optional[list[dict]] = None) -> dict:
     return baseline_key(cfg, prompts) | {
         "draft": str(draft_dir),
         "draft_sha256": draft_sha,
         "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
+        "other_prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in other]) if other else None,
     }
 
 
@@ -285,42 +336,69 @@ class EvalPaths:
     outputs: Path
     baseline: Path
     logs: Path
+    outputs_other: Path
+    baseline_other: Path
 
     @classmethod
     def of(cls, cfg: Config) -> "EvalPaths":
         d = cfg.run_path / "eval"
-        return cls(d, d / "report.json", d / "report.png", d / "outputs.jsonl", d / "baseline.json", cfg.run_path / "logs")
+        return cls(d, d / "report.json", d / "report.png", d / "outputs.jsonl", d / "baseline.json", cfg.run_path / "logs",
+                   d / "outputs-other.jsonl", d / "baseline-other.json")
 
 
-def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None) -> Optional[dict]:
-    """eval/baseline.json if it was measured with the current key, else None."""
-    path = EvalPaths.of(cfg).baseline
+# The two prompt sets 05 measures: held-out prompts of the training distribution, and
+# evaluate.other_prompts (another kind, never trained on).
+HELD_OUT, OTHER = "held_out", "other"
+
+
+def prompt_sets(cfg: Config) -> dict[str, list[dict]]:
+    sets = {HELD_OUT: load_eval_prompts(cfg)}
+    other = load_other_prompts(cfg)
+    if other:
+        sets[OTHER] = other
+    return sets
+
+
+def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None, prompt_set: str = HELD_OUT) -> Optional[dict]:
+    """The target-alone run of a prompt set (eval/baseline.json, eval/baseline-other.json) if it was
+    measured with the current key, else None."""
+    paths = EvalPaths.of(cfg)
+    path = paths.baseline if prompt_set == HELD_OUT else paths.baseline_other
     if not path.is_file():
         return None
     try:
         baseline = read_json(path)
     except DataError:
         return None
-    prompts = prompts if prompts is not None else load_eval_prompts(cfg)
-    return baseline if baseline.get("key") == baseline_key(cfg, prompts) else None
+    if prompts is None:
+        prompts = load_eval_prompts(cfg) if prompt_set == HELD_OUT else load_other_prompts(cfg)
+    return baseline if prompts and baseline.get("key") == baseline_key(cfg, prompts) else None
 
 
-def measure_baseline(cfg: Config, base_url: str, prompts: list[dict]) -> dict:
+def missing_baselines(cfg: Config) -> list[str]:
+    """The prompt sets whose target-alone run is not cached yet."""
+    return [name for name, prompts in prompt_sets(cfg).items() if cached_baseline(cfg, prompts, name) is None]
+
+
+def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT) -> dict:
     """Run the prompts on a server of the target alone and cache the result."""
     warm_up(cfg, base_url, prompts)
-    run = run_prompts(cfg, base_url, prompts, desc="target alone")
+    run = run_prompts(cfg, base_url, prompts, desc="target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})"))
     baseline = {"key": baseline_key(cfg, prompts), "created": time.time(), **run}
-    atomic_write_json(EvalPaths.of(cfg).baseline, baseline)
+    paths = EvalPaths.of(cfg)
+    atomic_write_json(paths.baseline if prompt_set == HELD_OUT else paths.baseline_other, baseline)
     return baseline
 
 
 def read_offline_report(cfg: Config) -> Optional[dict]:
-    """The offline (teacher-forced) numbers 04_train.py wrote to train/eval_report.json.
+    """The offline prediction of vLLM's numbers from 04_train.py's train/eval_report.json.
 
-    expected_acceptance_length is its tau at k = evaluate.num_speculative_tokens:
-    1 + sum_{j=1..k} prod_{i<j} step_acc[i] (computed here if 04 did not report that k), and
-    expected_per_position[i] = prod_{j<=i} step_acc[j].
+    At k = evaluate.num_speculative_tokens: expected_acceptance_length and expected_per_position
+    are the replay of vLLM's rounds (common.acceptance) when 04 reported it ("prediction": "replay"),
+    else the product formula 1 + sum_j prod_{i<=j} step_acc[i]; "product_formula" always has the latter.
     """
+    from common.acceptance import product_formula, product_per_position
+
     path = cfg.run_path / "train" / "eval_report.json"
     if not path.is_file():
         return None
@@ -330,17 +408,26 @@ def read_offline_report(cfg: Config) -> Optional[dict]:
         return None
     k = cfg.evaluate.num_speculative_tokens
     acc = [float(a) for a in rep.get("step_acc") or []]
-    # Draft position i is accepted only if positions 0..i are: expected rate = prod_{j<=i} acc_j,
-    # the offline counterpart of vLLM's per-position rate.
-    per_pos, prod = [], 1.0
-    for a in acc[:k]:
-        prod *= a
-        per_pos.append(prod)
     tau = (rep.get("tau") or {}).get(str(k))
-    if tau is None and len(per_pos) == k:
-        tau = 1.0 + sum(per_pos)
-    return {"path": str(path), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
-            "expected_per_position": per_pos, "expected_acceptance_length": tau}
+    if tau is None and len(acc) >= k:
+        tau = product_formula(acc, k)
+    product = {"acceptance_length": tau, "per_position": product_per_position(acc, k)}
+    replay = (rep.get("replay") or {}).get(str(k))
+    out = {"path": str(path), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc, "product_formula": product}
+    if replay:
+        return out | {"prediction": "replay", "expected_acceptance_length": replay["acceptance_length"],
+                      "expected_per_position": replay["per_position"], "replay_rounds": replay["rounds"]}
+    return out | {"prediction": "product formula", "expected_acceptance_length": tau,
+                  "expected_per_position": product["per_position"]}
+
+
+def prediction_error(report: dict) -> Optional[float]:
+    """(offline prediction - vLLM measured) / measured, for the held-out prompts."""
+    predicted = (report.get("offline") or {}).get("expected_acceptance_length")
+    measured = report.get("acceptance_length")
+    if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured > 0:
+        return (predicted - measured) / measured
+    return None
 
 
 def format_summary(report: dict) -> str:
@@ -351,37 +438,75 @@ def format_summary(report: dict) -> str:
         line += f" | {speedup:.2f}x tokens/s"
     o = report["outputs"]
     line += f" | {o['identical']}/{o['compared']} outputs identical"
-    offline = (report.get("offline") or {}).get("expected_acceptance_length")
-    if isinstance(offline, (int, float)):
-        line += f" | offline estimate {offline:.2f}"
+    offline = report.get("offline") or {}
+    if isinstance(offline.get("expected_acceptance_length"), (int, float)):
+        line += f" | offline {offline.get('prediction', 'estimate')} {offline['expected_acceptance_length']:.2f}"
+        error = prediction_error(report)
+        if error is not None:
+            line += f" ({100 * error:+.1f}%)"
+    other = report.get("other_prompts")
+    if other:
+        line += (f" | other-kind prompts: acceptance length {other['acceptance_length']:.2f}, "
+                 f"{other['outputs']['identical']}/{other['outputs']['compared']} identical")
     return line
+
+
+def _set_results(cfg: Config, prompts: list[dict], with_draft: dict, acceptance: dict, baseline: dict,
+                 outputs_path: Path) -> dict:
+    """One prompt set's part of the report: acceptance, throughput, outputs with vs without the draft."""
+    comparison = compare_outputs(with_draft["outputs"], baseline["outputs"])
+    write_jsonl_atomic(outputs_path, (
+        {"id": p["id"], "messages": p["messages"], "with_draft": with_draft["outputs"][p["id"]],
+         "without_draft": baseline["outputs"].get(p["id"]), "identical": p["id"] not in comparison["mismatched_ids"]}
+        for p in prompts
+    ))
+    tps_with, tps_without = with_draft["tokens_per_s"], baseline["tokens_per_s"]
+    return {
+        "num_prompts": len(prompts),
+        **acceptance,
+        "throughput": {
+            "with_draft": {k_: with_draft[k_] for k_ in ("output_tokens", "wall_s", "tokens_per_s")},
+            "without_draft": {k_: baseline[k_] for k_ in ("output_tokens", "wall_s", "tokens_per_s")},
+            "speedup": round(tps_with / tps_without, 4) if tps_without else None,
+        },
+        "outputs": {
+            **comparison,
+            "greedy": cfg.evaluate.temperature == 0.0,
+            # At temperature 0 speculative decoding must not change the text.
+            "all_identical": comparison["identical"] == comparison["compared"],
+            "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft["outputs"], baseline["outputs"]),
+        },
+    }
 
 
 def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False,
               baseline_only: bool = False, base_url: Optional[str] = None) -> int:
     paths = EvalPaths.of(cfg)
-    prompts = load_eval_prompts(cfg)
+    sets = prompt_sets(cfg)
+    prompts, other = sets[HELD_OUT], sets.get(OTHER)
 
     if baseline_only:
         # run_pipeline.py: measure the target alone on the server it already runs for 01b.
         if not base_url:
             raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
-        if not overwrite and cached_baseline(cfg, prompts) is not None:
+        todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
+        if not todo:
             print(f"05_evaluate: baseline already complete ({paths.baseline}); use --overwrite to redo")
             return 0
-        b = measure_baseline(cfg, base_url, prompts)
-        print(f"05_evaluate: baseline (target alone) {len(prompts)} prompts, {b['output_tokens']} tokens in {b['wall_s']:.1f}s "
-              f"({b['tokens_per_s']:.1f} tok/s) -> {paths.baseline}")
+        for name in todo:
+            b = measure_baseline(cfg, base_url, sets[name], name)
+            print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name])} prompts, {b['output_tokens']} "
+                  f"tokens in {b['wall_s']:.1f}s ({b['tokens_per_s']:.1f} tok/s)")
         return 0
 
     draft = Path(draft_dir) if draft_dir else cfg.run_path / "train" / "final"
     if not (draft / "config.json").is_file():
         raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
     draft_sha = draft_fingerprint(draft)
-    key = report_key(cfg, prompts, draft, draft_sha)
+    key = report_key(cfg, prompts, draft, draft_sha, other)
 
     if overwrite:
-        for p in (paths.report, paths.plot, paths.outputs, paths.baseline):
+        for p in (paths.report, paths.plot, paths.outputs, paths.baseline, paths.outputs_other, paths.baseline_other):
             p.unlink(missing_ok=True)
     elif paths.report.is_file():
         try:
@@ -393,34 +518,30 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
             return 0
 
     k = cfg.evaluate.num_speculative_tokens
-    # 1) target + draft
+    # 1) target + draft: each prompt set between its own pair of /metrics scrapes
     from common.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
 
+    with_draft, acceptance = {}, {}
     with target_server(cfg, speculative_config(cfg, draft), log_path=paths.logs / "vllm_eval_draft.log") as server:
         warm_up(cfg, server.base_url, prompts)
-        before = spec_decode_metrics(scrape_metrics(server.base_url))
-        with_draft = run_prompts(cfg, server.base_url, prompts, desc=f"target + draft (k={k})")
-        after = spec_decode_metrics(scrape_metrics(server.base_url))
-    acceptance = acceptance_metrics(metrics_delta(after, before), k)
+        for name, set_prompts in sets.items():
+            before = spec_decode_metrics(scrape_metrics(server.base_url))
+            with_draft[name] = run_prompts(cfg, server.base_url, set_prompts, desc=f"target + draft (k={k}, {name})")
+            after = spec_decode_metrics(scrape_metrics(server.base_url))
+            acceptance[name] = acceptance_metrics(metrics_delta(after, before), k)
 
     # 2) target alone (cached when run_pipeline measured it on the generation server)
-    baseline = cached_baseline(cfg, prompts)
-    if baseline is None:
-        if base_url:
-            baseline = measure_baseline(cfg, base_url, prompts)
-        else:
-            with target_server(cfg, None, log_path=paths.logs / "vllm_eval_target.log") as server:
-                baseline = measure_baseline(cfg, server.base_url, prompts)
+    baselines = {}
+    for name, set_prompts in sets.items():
+        baselines[name] = cached_baseline(cfg, set_prompts, name)
+    if any(b is None for b in baselines.values()):
+        with (contextlib.nullcontext(None) if base_url else
+              target_server(cfg, None, log_path=paths.logs / "vllm_eval_target.log")) as server:
+            for name, b in baselines.items():
+                if b is None:
+                    baselines[name] = measure_baseline(cfg, base_url or server.base_url, sets[name], name)
 
-    comparison = compare_outputs(with_draft["outputs"], baseline["outputs"])
-    greedy = cfg.evaluate.temperature == 0.0
-    write_jsonl_atomic(paths.outputs, (
-        {"id": p["id"], "messages": p["messages"], "with_draft": with_draft["outputs"][p["id"]],
-         "without_draft": baseline["outputs"].get(p["id"]), "identical": p["id"] not in comparison["mismatched_ids"]}
-        for p in prompts
-    ))
-
-    tps_with, tps_without = with_draft["tokens_per_s"], baseline["tokens_per_s"]
+    held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], paths.outputs)
     report = {
         "version": REPORT_VERSION,
         "complete": True,
@@ -428,33 +549,27 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         "draft": str(draft),
         "draft_sha256": draft_sha,
         "target": cfg.target.model,
-        "num_prompts": len(prompts),
         "sampling": sampling_params(cfg),
-        **acceptance,
+        **held_out,  # the held-out prompts: the headline numbers
         "offline": read_offline_report(cfg),
-        "throughput": {
-            "with_draft": {k_: with_draft[k_] for k_ in ("output_tokens", "wall_s", "tokens_per_s")},
-            "without_draft": {k_: baseline[k_] for k_ in ("output_tokens", "wall_s", "tokens_per_s")},
-            "speedup": round(tps_with / tps_without, 4) if tps_without else None,
-        },
-        "outputs": {
-            **comparison,
-            "greedy": greedy,
-            # At temperature 0 speculative decoding must not change the text.
-            "all_identical": comparison["identical"] == comparison["compared"],
-            "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft["outputs"], baseline["outputs"]),
-        },
+        "other_prompts": None if other is None else {
+            "path": cfg.evaluate.other_prompts,
+            **_set_results(cfg, other, with_draft[OTHER], acceptance[OTHER], baselines[OTHER], paths.outputs_other)},
         "files": {"report": str(paths.report), "plot": str(paths.plot), "outputs": str(paths.outputs),
-                  "baseline": str(paths.baseline)},
+                  "baseline": str(paths.baseline),
+                  **({"outputs_other": str(paths.outputs_other), "baseline_other": str(paths.baseline_other)} if other else {})},
         "created": time.time(),
     }
+    report["offline_prediction_error"] = prediction_error(report)
 
     from common.plots import plot_report
 
     plot_report(report, cfg.run_path / "train" / "metrics.jsonl", paths.plot)
     atomic_write_json(paths.report, report)
-    if greedy and comparison["identical"] != comparison["compared"]:
-        print(f"05_evaluate: WARNING: at temperature 0, {len(comparison['mismatched_ids'])} of {comparison['compared']} outputs "
-              f"differ with and without the draft (see 'mismatch_examples' in {paths.report})", file=sys.stderr)
+    for name, part in ((HELD_OUT, report), (OTHER, report["other_prompts"])):
+        o = part["outputs"] if part else None
+        if o and o["greedy"] and o["identical"] != o["compared"]:
+            print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
+                  f"prompts) differ with and without the draft (see 'mismatch_examples' in {paths.report})", file=sys.stderr)
     print(f"05_evaluate: {format_summary(report)} -> {paths.report}")
     return 0

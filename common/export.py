@@ -1,4 +1,4 @@
-"""Export the draft in the checkpoint formats vLLM loads (reference/eagle3-spec.md §5).
+"""Export the draft in the checkpoint formats vLLM loads (docs/design.md#vllm-checkpoint-format).
 
 Official EAGLE-3 format (`export_vllm_draft`, what vLLM's `LlamaForCausalLMEagle3` reads):
     config.json        DraftModelConfig.to_vllm_config(): architectures ["LlamaForCausalLMEagle3"],
@@ -7,7 +7,10 @@ Official EAGLE-3 format (`export_vllm_draft`, what vLLM's `LlamaForCausalLMEagle
                        layers.{k}.* for k >= 1, norm.weight, lm_head.weight [V_d, H],
                        d2t int64 [V_d] (target id = i + d2t[i]), t2d bool [V];
                        no embed_tokens (vLLM shares the target's) unless include_embedding.
-speculators format (`export_speculators_draft`, spec §5.2): the same tensors with `midlayer.`
+                       A full-vocabulary draft (draft_vocab_size = target vocab, as the published
+                       Kimi-K2.5 draft) has no d2t/t2d: vLLM then builds no draft_id_to_target_id but
+                       would still route a `d2t` tensor to it and fail to load.
+speculators format (`export_speculators_draft`): the same tensors with `midlayer.`
 renamed to `layers.0.`, embed_tokens included, and the speculators config.json, with
 norm_before_residual written explicitly (vLLM assumes True when it is missing).
 
@@ -32,10 +35,21 @@ from common.io import fsync_dir
 WEIGHTS_NAME = "model.safetensors"
 
 
+def has_vocab_map(config: DraftModelConfig) -> bool:
+    """Whether the export carries d2t/t2d: not for a full-vocabulary draft (see the module docstring)."""
+    return config.draft_vocab_size != config.vocab_size
+
+
 def _draft_state_dict(model: Eagle3DraftModel, dtype: torch.dtype, include_embedding: bool) -> dict:
     out = {}
+    full_vocab = not has_vocab_map(model.config)
+    if full_vocab and bool(model.d2t.any()):
+        raise DataError("the draft vocab is the whole target vocab but d2t reorders it, which vLLM cannot load "
+                        "(it takes draft id i as target id i); rebuild the vocab map with 03_build_vocab_map.py")
     for name, tensor in model.state_dict().items():
         if name.startswith("embed_tokens.") and not include_embedding:
+            continue
+        if full_vocab and name in ("d2t", "t2d"):
             continue
         if name == "d2t":
             tensor = tensor.to(torch.int64)
@@ -102,7 +116,7 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
                              speculative_tokens: int, dtype: torch.dtype = torch.bfloat16,
                              include_embedding: bool = True, verifier_architectures: list[str] | None = None,
                              speculators_version: str = "0.3.0") -> Path:
-    """Write the draft in the speculators format (spec §5.2); vLLM can serve the directory alone."""
+    """Write the draft in the speculators format; vLLM can serve the directory alone."""
     model = getattr(model, "module", model)
     c = model.config
     official = c.to_vllm_config(torch_dtype=_dtype_name(dtype))
@@ -163,7 +177,9 @@ def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: tor
             name = "midlayer." + name.removeprefix("layers.0.")
         state[name] = tensor
     own = model.state_dict()
-    missing = [k for k in own if k not in state and not k.startswith("embed_tokens.")]
+    # embed_tokens: shared from the target; d2t/t2d: absent from a full-vocab export (identity map, the default)
+    optional = {"d2t", "t2d"} if not has_vocab_map(config) else set()
+    missing = [k for k in own if k not in state and not k.startswith("embed_tokens.") and k not in optional]
     unexpected = [k for k in state if k not in own]
     wrong = [f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in state.items()
              if k in own and v.shape != own[k].shape]

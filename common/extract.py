@@ -1,6 +1,6 @@
 """Stage 02: run the target over every tokenized sample and store the hidden states EAGLE-3 trains on.
 
-Output (under run_dir/hidden/, the format DESIGN.md fixes), one row per token, samples concatenated:
+Output under run_dir/hidden/ (docs/design.md#artifact-formats), one row per token, samples concatenated:
     shard-NNNNN.safetensors
         input_ids       int64 [N]
         loss_mask       uint8 [N]
@@ -92,6 +92,7 @@ vLLM's own hidden-state extraction (evaluated for vllm 0.32.0; not used here)
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import glob
 import hashlib
 import json
@@ -103,12 +104,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from tqdm import tqdm
 
 from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import ConfigError, DataError, PipelineError
-from common.io import atomic_path, atomic_write_json, file_sha256, read_json
+from common.io import atomic_path, atomic_write_json, bytes_bar, file_sha256, format_bytes, read_json
 from common.model_loading import check_safetensors_readable
+
+if TYPE_CHECKING:  # torch is imported only when the stage runs
+    from common.distributed import DistEnv
 
 log = logging.getLogger("extract")
 
@@ -134,14 +140,6 @@ def dtype_bytes(name: str) -> int:
 def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
     """Stored bytes per token: the aux states, the final state, input id and loss mask."""
     return (num_aux + 1) * hidden_size * dtype_bytes(dtype) + ID_MASK_BYTES
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +185,10 @@ def scan_split(path: Path, split: str, vocab_size: int, max_positions: int | Non
     h = hashlib.sha256()
     samples, offsets = [], []
     pos = 0
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, bytes_bar(path.stat().st_size, f"02 scan {path.name}") as bar:
         for lineno, line in enumerate(f, start=1):
             h.update(line)
+            bar.update(len(line))
             start, pos = pos, pos + len(line)
             if not line.strip():
                 continue
@@ -212,8 +211,17 @@ def input_paths(run_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def input_fingerprint(paths: dict[str, Path]) -> dict[str, str]:
-    return {split: file_sha256(p) for split, p in paths.items()}
+def stage_manifest(cfg, info):
+    """02's record (common.run_folder): the tokenized inputs by content, and every setting that
+    changes the stored features (aux layers, target, dtype, shard plan)."""
+    from common.run_folder import Layout, StageManifest
+
+    layout = Layout.of(cfg)
+    inputs = {f"data/{split}.jsonl": path for split, path in input_paths(layout.run_dir).items()}
+    target_config = Path(cfg.target.model) / "config.json"
+    if target_config.is_file():
+        inputs["target config.json"] = target_config
+    return StageManifest(layout, "02_extract_hidden", inputs=inputs, settings=_settings(cfg, info))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,15 +538,15 @@ def read_entries(hidden_dir: Path) -> dict[str, dict]:
     return entries
 
 
-def verify_entry(hidden_dir: Path, entry: dict, mode: str) -> str | None:
-    """None if the shard on disk matches its entry, else why not."""
+def verify_entry(hidden_dir: Path, entry: dict, mode: str, progress: Callable[[int], Any] | None = None) -> str | None:
+    """None if the shard on disk matches its entry, else why not. progress(n): n more bytes hashed."""
     path = hidden_dir / entry["file"]
     if not path.is_file():
         return "missing"
     size = path.stat().st_size
     if size != entry.get("bytes"):
         return f"size {size} != {entry.get('bytes')} bytes (truncated or overwritten)"
-    if mode == "sha256" and file_sha256(path) != entry["sha256"]:
+    if mode == "sha256" and file_sha256(path, progress=progress) != entry["sha256"]:
         return "sha256 mismatch (corrupted)"
     return None
 
@@ -556,15 +564,6 @@ def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict])
             "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
 
 
-def load_index(hidden_dir: str | os.PathLike) -> dict:
-    """The finished index; raises DataError if extraction is not complete (for 04)."""
-    path = Path(hidden_dir) / INDEX_NAME
-    index = read_json(path)
-    if not index.get("complete"):
-        raise DataError(f"{path} says extraction is incomplete; rerun 02_extract_hidden.py to finish it")
-    return index
-
-
 # ---------------------------------------------------------------------------------------------
 # Disk space
 # ---------------------------------------------------------------------------------------------
@@ -572,60 +571,14 @@ def load_index(hidden_dir: str | os.PathLike) -> dict:
 
 def check_disk_space(hidden_dir: Path, needed: int, min_free_gb: float, disk_usage: Callable = shutil.disk_usage) -> None:
     free = disk_usage(hidden_dir).free
-    usable = free - int(min_free_gb * 1e9)
-    if needed > usable:
+    headroom = int(min_free_gb * 1e9)
+    required = needed + headroom  # the shards, and the head-room left free after them
+    if required > free:
         raise DataError(
-            f"not enough disk space in {hidden_dir}: need {format_bytes(needed)}, free {format_bytes(free)} "
-            f"minus extract.min_free_disk_gb={min_free_gb:g} GB leaves {format_bytes(max(usable, 0))}; "
-            f"{format_bytes(needed - max(usable, 0))} missing: free space, move run_dir, or lower extract.dtype precision"
+            f"not enough disk space in {hidden_dir}: need {format_bytes(needed)} for the shards + {format_bytes(headroom)} "
+            f"head-room (extract.min_free_disk_gb={min_free_gb:g}) = {format_bytes(required)}, free {format_bytes(free)}; "
+            f"{format_bytes(required - free)} missing: free space, move run_dir, or lower extract.dtype precision"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Distributed helpers (torchrun). Single process: no process group at all.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> "Dist":
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
-
-    def init(self) -> None:
-        if self.world_size > 1:
-            import datetime
-
-            import torch.distributed as dist
-
-            # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
-            dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
-
-    def broadcast(self, obj):
-        if self.world_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,20 +653,10 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
 
     settings = _settings(cfg, info)
     plan_path = hidden_dir / PLAN_NAME
+    # Changed inputs or settings since the plan was made: one error asking for --overwrite.
+    stage_manifest(cfg, info).begin(overwrite, outputs=[hidden_dir / INDEX_NAME], started=plan_path.is_file())
     if plan_path.is_file():
         plan = read_json(plan_path)
-        fingerprint = input_fingerprint(paths)
-        old = {k: v["sha256"] for k, v in plan["inputs"].items()}
-        if old != fingerprint:
-            changed = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
-            raise DataError(
-                f"the tokenized inputs changed since extraction started ({', '.join(f'data/{c}.jsonl' for c in changed)} differ "
-                f"from hidden/plan.json); rerun 02_extract_hidden.py with --overwrite to extract them again"
-            )
-        diff = {k: (plan["settings"].get(k), v) for k, v in settings.items() if plan["settings"].get(k) != v}
-        if diff:
-            what = "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
-            raise ConfigError(f"settings changed since extraction started ({what}); rerun 02_extract_hidden.py with --overwrite")
         if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
             log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
                         "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
@@ -740,15 +683,17 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
     entries = read_entries(hidden_dir)
     planned = {s["file"]: s for s in plan["shards"]}
     good: dict[str, dict] = {}
-    for name, entry in sorted(entries.items()):
-        if name not in planned:
-            continue
-        same_samples = entry.get("sample_ids") == planned[name]["sample_ids"] and entry.get("split") == planned[name]["split"]
-        problem = verify_entry(hidden_dir, entry, cfg.extract.verify) if same_samples else "recorded for other samples"
-        if problem:
-            print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
-        else:
-            good[name] = entry
+    to_hash = sum(e.get("bytes") or 0 for n, e in entries.items() if n in planned) if cfg.extract.verify == "sha256" else 0
+    with bytes_bar(to_hash, "02 verify shards (sha256)") as bar:  # hours at Kimi scale
+        for name, entry in sorted(entries.items()):
+            if name not in planned:
+                continue
+            same_samples = entry.get("sample_ids") == planned[name]["sample_ids"] and entry.get("split") == planned[name]["split"]
+            problem = verify_entry(hidden_dir, entry, cfg.extract.verify, bar.update) if same_samples else "recorded for other samples"
+            if problem:
+                print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
+            else:
+                good[name] = entry
     todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
     header = _header(cfg, info, plan)
     if not todo:
@@ -775,6 +720,7 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
 
 def run_extraction(cfg, overwrite: bool = False) -> dict:
     """Extract all planned shards (this rank's share under torchrun). Returns a summary dict."""
+    from common.distributed import barrier, broadcast_object, close_distributed, init_distributed
     from common.model_loading import load_target_info, torch_dtype
 
     if cfg.extract.verify not in ("sha256", "size"):
@@ -784,32 +730,33 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     _validate_aux_ids(info.aux_layer_ids)
     _warn_vllm_limits(info)
     hidden_dir = Path(cfg.run_dir) / "hidden"
-    dist = Dist.from_env()
-    dist.init()
+    # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
+    env = init_distributed("gloo", timeout=datetime.timedelta(days=7))
     try:
         setup: dict | str
         try:
-            setup = prepare(cfg, info, hidden_dir, overwrite) if dist.rank == 0 else None
+            setup = prepare(cfg, info, hidden_dir, overwrite) if env.is_main else None
         except PipelineError as e:
             setup = f"{type(e).__name__}:{e}"
-            if dist.world_size == 1:
+            if not env.distributed:
                 raise
-        setup = dist.broadcast(setup)
+        setup = broadcast_object(setup, env)
         if isinstance(setup, str):  # rank 0 failed; every rank reports the same one-line error
             kind, msg = setup.split(":", 1)
             raise {"ConfigError": ConfigError, "DataError": DataError}.get(kind, PipelineError)(msg)
         plan, header = setup["plan"], setup["header"]
         if setup["status"] == "complete":
             index = build_index(header, plan["shards"], setup["entries"])
-            if dist.rank == 0:
+            if env.is_main:
                 print(f"02_extract_hidden: already complete ({index['num_shards']} shards, {index['num_tokens']:,} tokens, "
                       f"{format_bytes(index['bytes'])}) in {hidden_dir}; use --overwrite to redo", flush=True)
+                stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
             return {"status": "complete", **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 
-        mine = [f for f in setup["todo"] if int(f[len("shard-"):-len(".safetensors")]) % dist.world_size == dist.rank]
-        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], dist, torch_dtype(cfg.extract.dtype))
-        dist.barrier()
-        if dist.rank == 0:
+        mine = [f for f in setup["todo"] if int(f[len("shard-"):-len(".safetensors")]) % env.world_size == env.rank]
+        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], env, torch_dtype(cfg.extract.dtype))
+        barrier(env)
+        if env.is_main:
             entries = read_entries(hidden_dir)
             index = build_index(header, plan["shards"], entries)
             atomic_write_json(hidden_dir / INDEX_NAME, index)
@@ -822,17 +769,17 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                   f"this run: {summary['tokens']:,} tokens in {summary['seconds']:.1f} s = {summary['tokens_per_s']:,.0f} tok/s, "
                   f"{format_bytes(summary['bytes'])} written", flush=True)
             summary["complete"] = index["complete"]
+            manifest = stage_manifest(cfg, info)
+            (manifest.complete if index["complete"] else manifest.partial)({"num_shards": index["num_shards"]})
         return summary
     finally:
-        dist.close()
+        close_distributed(env)
 
 
 def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
-                    dist: Dist, out_dtype) -> dict:
-    from tqdm import tqdm
-
+                    env: DistEnv, out_dtype) -> dict:
     device = choose_device(cfg)
-    model, placement = load_target_model(cfg, device, dist.local_rank, dist.world_size)
+    model, placement = load_target_model(cfg, device, env.local_rank, env.world_size)
     stack = find_decoder_stack(model, info.num_layers)
     capture = HiddenStateCapture(stack, info.aux_layer_ids, out_dtype)
     paths = {split: Path(cfg.run_dir) / "data" / f"{split}.jsonl" for split in plan["inputs"]}
@@ -843,7 +790,7 @@ def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine:
     stats = {"tokens": 0, "bytes": 0}
     total = sum(shards[f]["num_tokens"] for f in mine)
     bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr,
-               desc="extract" if dist.world_size == 1 else f"extract[rank {dist.rank}]")
+               desc="extract" if not env.distributed else f"extract[rank {env.rank}]")
     log.info("target on %s; %d shards for this process", placement, len(mine))
 
     def finish(name: str, samples: list[dict], batches: list[dict]) -> None:
@@ -854,13 +801,13 @@ def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine:
                  "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
         my_entries[name] = entry
         entries[name] = entry
-        if dist.world_size > 1:
-            atomic_write_json(hidden_dir / fragment_name(dist.rank), {"rank": dist.rank, "shards": list(my_entries.values())})
-        if dist.rank == 0:
-            merged = {**read_entries(hidden_dir), **entries} if dist.world_size > 1 else entries
+        if env.distributed:
+            atomic_write_json(hidden_dir / fragment_name(env.rank), {"rank": env.rank, "shards": list(my_entries.values())})
+        if env.is_main:
+            merged = {**read_entries(hidden_dir), **entries} if env.distributed else entries
             atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], merged))
         stats["bytes"] += written["bytes"]
-        bar.set_postfix_str(f"{stats['bytes'] / 1e9:.2f} GB written", refresh=False)
+        bar.set_postfix_str(f"{format_bytes(stats['bytes'])} written", refresh=False)
 
     start = time.perf_counter()
     pending = None

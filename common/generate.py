@@ -5,7 +5,7 @@ makes the draft agree with the target at serving time. This module drives an
 OpenAI-compatible server (vLLM) with many concurrent requests and turns the results into
 tokenized training samples.
 
-Guarantees (DESIGN.md):
+Guarantees (docs/design.md#resume-rules):
 - every prompt id ends in data/raw_responses.jsonl exactly once, or in data/failed.jsonl
   with a reason; a rerun skips the done ids and retries the failed ones;
 - a line is appended once per id and only in one synchronous write, so a kill at any
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import json
 import logging
 import math
 import random
@@ -44,11 +43,12 @@ from typing import Any, Optional
 
 from common.config import Config, api_key_from_env
 from common.errors import ConfigError, DataError, PipelineError
+from common.run_folder import Layout, StageManifest
 from common.io import (
     JsonlAppender,
     atomic_write_json,
     iter_jsonl,
-    read_json,
+    jsonl_writer_atomic,
     truncate_torn_tail,
     write_jsonl_atomic,
 )
@@ -87,22 +87,38 @@ class Paths:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_prompts(path: Path) -> tuple[list[dict], int]:
-    """prompts.jsonl -> (prompts in file order with unique ids, number of duplicate ids dropped)."""
+def load_prompts(path: Path, skipped: Counter | None = None) -> tuple[list[dict], int]:
+    """prompts.jsonl -> (prompts in file order with unique ids, number of duplicate ids dropped).
+
+    Messages pass stage 01's rules (common.prepare.row_messages + keep_prompt): a row that 01
+    would drop (a message without a role, an unknown role, no non-empty user turn) is never sent;
+    it is counted in `skipped` under 01's reason.
+    """
+    from common.prepare import BadFields, keep_prompt, row_messages
+
     if not path.is_file():
         raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
+    skipped = Counter() if skipped is None else skipped
     prompts, seen, dupes = [], set(), 0
     for row in iter_jsonl(path):
-        pid, messages = row.get("id"), row.get("messages")
-        if not isinstance(pid, str) or not isinstance(messages, list) or not messages:
-            raise DataError(f"{path}: a row lacks a string 'id' or a non-empty 'messages' list (id={pid!r}); rerun 01_prepare_data.py --overwrite")
+        pid = row.get("id")
+        if not isinstance(pid, str) or not pid:
+            raise DataError(f"{path}: a row lacks a string 'id' (id={pid!r}); rerun 01_prepare_data.py --overwrite")
+        try:
+            messages, reason = keep_prompt(row_messages(row), None, max_user_turns=len(row.get("messages") or []) or 1)
+        except BadFields:
+            messages, reason = None, "bad_fields"
+        if reason is not None:
+            skipped[reason] += 1
+            continue
         if pid in seen:
             dupes += 1
             continue
         seen.add(pid)
-        prompts.append(row)
+        prompts.append({**row, "messages": messages})
     if not prompts:
-        raise DataError(f"{path} holds no prompts; check data.source and rerun 01_prepare_data.py --overwrite")
+        why = f" (skipped as stage 01 would: {', '.join(f'{k} {v}' for k, v in skipped.most_common())})" if skipped else ""
+        raise DataError(f"{path} holds no usable prompts{why}; check data.source and rerun 01_prepare_data.py --overwrite")
     return prompts, dupes
 
 
@@ -335,6 +351,7 @@ class Generator:
         self.stopping = False
         self.workers: list[asyncio.Task] = []
         self.bar = None
+        self.fatal: Optional[str] = None  # why the whole run stopped (a rejected API key), if it did
 
     # -- one request, with retries
     async def _request(self, messages: list[dict]) -> tuple[dict, int]:
@@ -395,6 +412,9 @@ class Generator:
             try:
                 turn, n = await self._request(conversation)
             except _Failed as f:
+                if f.failure.status_code in AUTH_STATUS:  # every request would get it: stop, record nothing
+                    self.abort(auth_error(self.cfg, f.failure))
+                    return
                 self._record_failure(pid, f.failure, attempts + f.attempts, len(turns))
                 return
             attempts += n
@@ -474,6 +494,14 @@ class Generator:
             await asyncio.sleep(1.0)
             self._progress(refresh=True)
 
+    def abort(self, message: str) -> None:
+        """Stop the whole run now: a failure no other request can escape."""
+        if self.fatal is None:
+            self.fatal = message
+        self.stopping = True
+        for w in self.workers:
+            w.cancel()
+
     def request_stop(self, signame: str) -> None:
         if not self.stopping:
             print(f"\n{signame}: stopping; cancelling {self.stats.in_flight} in-flight request(s)", file=sys.stderr)
@@ -510,6 +538,16 @@ class Generator:
             self._progress(refresh=True)
             self.bar.close()
         return not self.stopping
+
+
+AUTH_STATUS = (401, 403)
+
+
+def auth_error(cfg: Config, failure: Failure) -> str:
+    g = cfg.generate
+    return (f"the server at {g.base_url} refused a chat request with {failure.status_code} ({failure.reason[:160]}); "
+            f"check the API key in the environment variable {g.api_key_env} (generate.api_key_env) and its permissions, "
+            f"then rerun: the run stopped at once and recorded no prompt as failed")
 
 
 class _Failed(Exception):
@@ -628,17 +666,6 @@ def tokenizer_path(cfg: Config) -> str:
     return path
 
 
-def fingerprint(cfg: Config, done_ids, tokenizer) -> str:
-    """Identifies the tokenized outputs: which samples, which tokenizer, which settings."""
-    h = hashlib.sha256()
-    for pid in sorted(done_ids):
-        h.update(pid.encode() + b"\0")
-    t = cfg.tokenize
-    h.update(json.dumps([t.max_seq_len, t.overlong, tokenizer_path(cfg), cfg.generate.enable_thinking, t.token_ids_from]).encode())
-    h.update((getattr(tokenizer, "chat_template", None) or "").encode() if tokenizer is not None else b"")
-    return h.hexdigest()
-
-
 def template_kwargs_of(cfg: Config) -> dict:
     return {} if cfg.generate.enable_thinking is None else {"enable_thinking": cfg.generate.enable_thinking}
 
@@ -670,7 +697,9 @@ def check_token_ids_source(cfg: Config, tokenizer, multi_turn: bool) -> None:
 
 
 def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[str, dict], tokenizer) -> dict:
-    """raw responses -> data/train.jsonl + data/eval.jsonl (atomic). Returns the counts.
+    """raw responses -> data/train.jsonl + data/eval.jsonl. Returns the counts. Each sample is
+    written as soon as it is tokenized (50k long samples held as Python lists would take GBs);
+    both files appear, complete, only when every sample is done (atomic).
 
     token_ids_from=template re-renders each conversation with the chat template (every
     assistant turn learned); =server takes the last turn's ids as vLLM reported them.
@@ -683,49 +712,49 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
     stop_ids = None if from_server else stop_token_ids(tokenizer, tokenizer_path(cfg))
     template_kwargs = template_kwargs_of(cfg)
     stats: Counter = Counter()
-    out = {"train": [], "eval": []}
-    t0 = time.monotonic()
-    tokens = loss_tokens = 0
-    for prompt in tqdm(prompts, desc="tokenize", unit="sample", file=sys.stderr, dynamic_ncols=True):
-        row = done.get(prompt["id"])
-        if row is None:
-            continue
+
+    def tokenize(row: dict) -> Optional[dict]:
+        """{"input_ids", "loss_mask"} of one finished conversation, or None (counted in stats)."""
         messages = row.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             stats["malformed"] += 1
-            continue
+            return None
         if from_server:
             last = last_turn(row)
             if not has_token_ids(last):
                 stats["missing_token_ids"] += 1
-                continue
+                return None
             answer = next((m for m in reversed(messages) if m.get("role") == "assistant"), {})
             if not (answer.get("content") or "").strip() and not (answer.get("reasoning") or "").strip():
                 stats["empty_assistant"] += 1  # as in template mode: nothing but a stop token
+                return None
+            return tokenize_server_ids(last["prompt_token_ids"], last["completion_token_ids"],
+                                       cfg.tokenize.max_seq_len, cfg.tokenize.overlong, stats=stats)
+        try:
+            return tokenize_conversation(tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
+                                         stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats)
+        except TokenBoundaryError:  # this sample's text, not the template: skip it, counted
+            stats["token_boundary_merge"] += 1
+            return None
+
+    kept = {"train": 0, "eval": 0}
+    t0 = time.monotonic()
+    tokens = loss_tokens = 0
+    with jsonl_writer_atomic(paths.eval) as write_eval, jsonl_writer_atomic(paths.train) as write_train:
+        for prompt in tqdm(prompts, desc="tokenize", unit="sample", file=sys.stderr, dynamic_ncols=True):
+            row = done.get(prompt["id"])
+            sample = tokenize(row) if row is not None else None
+            if sample is None:
                 continue
-            sample = tokenize_server_ids(last["prompt_token_ids"], last["completion_token_ids"],
-                                         cfg.tokenize.max_seq_len, cfg.tokenize.overlong, stats=stats)
-        else:
-            try:
-                sample = tokenize_conversation(
-                    tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
-                    stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
-                )
-            except TokenBoundaryError:  # this sample's text, not the template: skip it, counted
-                stats["token_boundary_merge"] += 1
-                continue
-        if sample is None:
-            continue
-        split = "eval" if prompt.get("split") == "eval" else "train"
-        out[split].append({"id": prompt["id"], **sample})
-        tokens += len(sample["input_ids"])
-        loss_tokens += sum(sample["loss_mask"])
-    write_jsonl_atomic(paths.train, out["train"])
-    write_jsonl_atomic(paths.eval, out["eval"])
+            split = "eval" if prompt.get("split") == "eval" else "train"
+            (write_eval if split == "eval" else write_train)({"id": prompt["id"], **sample})
+            kept[split] += 1
+            tokens += len(sample["input_ids"])
+            loss_tokens += sum(sample["loss_mask"])
     skipped = {k: v for k, v in stats.items() if k not in ("kept", "truncated")}
     return {
-        "train": len(out["train"]),
-        "eval": len(out["eval"]),
+        "train": kept["train"],
+        "eval": kept["eval"],
         "truncated": stats.get("truncated", 0),
         "skipped": skipped,
         "tokens": tokens,
@@ -764,38 +793,98 @@ def run_stage(cfg: Config, overwrite: bool = False) -> int:
 
 def _run_stage(cfg: Config, overwrite: bool) -> int:
     paths = Paths.of(cfg)
-    from_server = token_ids_from(cfg) == "server"
     if overwrite:
         for p in paths.outputs():
             p.unlink(missing_ok=True)
+    prompts, report = read_prompts(paths)
+    # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
+    tokenizer = load_tokenizer_of(cfg)
+    manifest = stage_manifest(cfg, paths, tokenizer)
+    if manifest.begin(overwrite, outputs=[paths.raw, paths.train, paths.eval]) == "complete":
+        r = manifest.result
+        print(f"01b_generate_synthetic: already complete ({r.get('num_done')} samples generated; train {r.get('train')}, "
+              f"eval {r.get('eval')}) in {paths.raw.parent}; use --overwrite to redo")
+        manifest.record("already_complete")
+        return 0
+    done, todo = read_done(paths, prompts, report)
+    check_token_sources(cfg, paths, tokenizer, prompts, done)
+    interrupted = False
+    if todo:
+        done, interrupted = generate_missing(cfg, paths, todo, tokenizer, report, manifest)
+    still_failed = account_results(paths, prompts, done, report, interrupted)
+    if interrupted:
+        atomic_write_json(paths.report, report | {"complete": False})
+        print(f"01b_generate_synthetic: interrupted: {generation_line(report)}{report['num_done']}/{len(prompts)} done, "
+              f"{len(still_failed)} failed; rerun the same command to resume", file=sys.stderr)
+        return 130
+    check_failure_share(cfg, paths, report, still_failed, manifest)
+    tok = tokenize_outputs(cfg, paths, prompts, done, tokenizer)
+    report |= {"tokenize": tok, "complete": not still_failed}
+    atomic_write_json(paths.report, report)
+    result = {"num_done": report["num_done"], "num_failed": len(still_failed), "train": tok["train"], "eval": tok["eval"]}
+    # Complete only with no failures left: a rerun retries them (with a server).
+    manifest.complete(result) if not still_failed else manifest.partial(result)
+    print(f"01b_generate_synthetic: {generation_line(report)}{report['num_done']}/{len(prompts)} done, {len(still_failed)} failed"
+          f"{' (rerun to retry them; reasons in ' + str(paths.failed) + ')' if still_failed else ''}; "
+          f"tokenized train {tok['train']}, eval {tok['eval']}, {tok['tokens']} tokens ({tok['loss_tokens']} with loss), "
+          f"{tok['truncated']} truncated, skipped {tok['skipped'] or 0}")
+    return 0
 
-    prompts, dup_prompts = load_prompts(paths.prompts)
+
+def read_prompts(paths: Paths) -> tuple[list[dict], dict]:
+    """The prompts to answer, and the report's first counts (duplicates, rows 01 would have dropped)."""
+    skipped: Counter = Counter()
+    prompts, dup_prompts = load_prompts(paths.prompts, skipped)
+    if skipped:
+        log.warning("%s: skipped %d prompt row(s) that stage 01 would drop (%s)", paths.prompts, sum(skipped.values()),
+                    ", ".join(f"{k} {v}" for k, v in skipped.most_common()))
+    return prompts, {"num_prompts": len(prompts), "duplicate_prompt_ids": dup_prompts, "skipped_prompts": dict(skipped)}
+
+
+def load_tokenizer_of(cfg: Config):
+    from common.tokenization import load_tokenizer
+
+    return load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code,
+                          require_chat_template=token_ids_from(cfg) != "server")
+
+
+def stage_manifest(cfg: Config, paths: Paths, tokenizer) -> StageManifest:
+    """01b's record (common.run_folder). Sampling settings must stay the same to resume: two
+    generations are never mixed in one data set. New prompts are simply generated, and changed
+    tokenization settings (or tokenizer) retokenize everything from the raw responses."""
+    g, t = cfg.generate, cfg.tokenize
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return StageManifest(
+        Layout.of(cfg), "01b_generate_synthetic",
+        inputs={"data/prompts.jsonl": paths.prompts},
+        settings={
+            "sampling": {"model": g.model, "max_tokens": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p,
+                         "enable_thinking": g.enable_thinking, "extra_body": g.extra_body},
+            "tokenize": {"max_seq_len": t.max_seq_len, "overlong": t.overlong, "token_ids_from": t.token_ids_from,
+                         "tokenizer": tokenizer_path(cfg),
+                         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()},
+        },
+        redo_on={"data/prompts.jsonl", "tokenize"},
+    )
+
+
+def read_done(paths: Paths, prompts: list[dict], report: dict) -> tuple[dict[str, dict], list[dict]]:
+    """(finished rows by id, prompts still to answer)."""
     prompt_ids = {p["id"] for p in prompts}
     done, dup_raw = load_done(paths.raw)
     if dup_raw:
         log.warning("%s holds %d duplicate id(s); using the first row of each", paths.raw, dup_raw)
-    todo = [p for p in prompts if p["id"] not in done]
-    done_before = sum(1 for pid in done if pid in prompt_ids)
+    report |= {"duplicates_in_raw": dup_raw, "done_before": sum(1 for pid in done if pid in prompt_ids)}
+    return done, [p for p in prompts if p["id"] not in done]
 
-    old_report = read_json(paths.report) if paths.report.is_file() else {}
 
-    from common.tokenization import load_tokenizer
-
-    # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
-    tokenizer = load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code, require_chat_template=not from_server)
-    if not todo:
-        fp = fingerprint(cfg, [pid for pid in done if pid in prompt_ids], tokenizer)
-        if paths.train.is_file() and paths.eval.is_file() and old_report.get("tokenize", {}).get("fingerprint") == fp:
-            finalize_failed(paths, prompt_ids, set(done))
-            t = old_report["tokenize"]
-            print(f"01b_generate_synthetic: already complete ({len(prompts)} samples generated; train {t['train']}, eval {t['eval']}) in {paths.raw.parent}; use --overwrite to redo")
-            return 0
-
-    # ... and the chosen source of token ids can work: the template reproduces a generated turn,
-    # or (server) the rows already generated carry ids.
+def check_token_sources(cfg: Config, paths: Paths, tokenizer, prompts: list[dict], done: dict[str, dict]) -> None:
+    """Before any request, the chosen source of token ids can work: the template reproduces a
+    generated turn, or (server) the rows already generated carry ids."""
     multi_turn = any(sum(m.get("role") == "user" for m in p["messages"]) > 1 for p in prompts)
     check_token_ids_source(cfg, tokenizer, multi_turn)
-    if from_server:
+    if token_ids_from(cfg) == "server":
+        prompt_ids = {p["id"] for p in prompts}
         lacking = sum(1 for pid, row in done.items() if pid in prompt_ids and not has_token_ids(last_turn(row)))
         if lacking:
             raise DataError(
@@ -803,59 +892,73 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
                 "template); rerun with --overwrite to regenerate them with ids, or set tokenize.token_ids_from=template"
             )
 
-    report: dict[str, Any] = {
-        "num_prompts": len(prompts),
-        "duplicate_prompt_ids": dup_prompts,
-        "duplicates_in_raw": dup_raw,
-        "done_before": done_before,
-        "base_url": cfg.generate.base_url,
-        "concurrency": cfg.generate.concurrency,
+
+def generate_missing(cfg: Config, paths: Paths, todo: list[dict], tokenizer, report: dict,
+                     manifest: StageManifest) -> tuple[dict[str, dict], bool]:
+    """Answer the prompts in `todo`; returns (all finished rows, interrupted). A failure every
+    request shares (a rejected API key) stops the run at once with one error line."""
+    report |= {"base_url": cfg.generate.base_url, "concurrency": cfg.generate.concurrency}
+    generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, paths, todo, tokenizer))
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
+    report |= {"model": model, "tokenizer_check": tok_check, "this_run": run_stats(generator.stats, len(todo))}
+    if generator.fatal is not None:
+        fail(paths, report, manifest, generator.fatal)
+    done, _ = load_done(paths.raw)
+    return done, interrupted
+
+
+def run_stats(s: RunStats, num_prompts: int) -> dict:
+    el = s.elapsed()
+    return {
+        "prompts": num_prompts, "done": s.done, "failed": s.failed, "requests": s.requests, "retries": s.retries,
+        "retry_reasons": dict(s.retry_reasons), "failure_reasons": dict(s.failure_reasons),
+        "finish_reasons": dict(s.finish_reasons), "turn_flags": dict(s.turn_flags), "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens, "elapsed_s": round(el, 3),
+        "requests_per_s": round(s.requests / el, 3), "samples_per_s": round(s.done / el, 3),
+        "completion_tokens_per_s": round(s.completion_tokens / el, 1),
+        "max_in_flight": s.max_in_flight, "avg_in_flight": round(s.avg_in_flight(), 2),
     }
-    gen_stats: Optional[RunStats] = None
-    interrupted = False
-    if todo:
-        generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, paths, todo, tokenizer))
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
-        gen_stats = generator.stats
-        report |= {"model": model, "tokenizer_check": tok_check}
-        done, _ = load_done(paths.raw)
+
+
+def generation_line(report: dict) -> str:
+    r = report.get("this_run")
+    if r is None:
+        return ""
+    return (f"{r['done']} generated, {r['failed']} failed, {r['retries']} retries in {r['elapsed_s']:.1f}s "
+            f"({r['requests_per_s']:.2f} req/s, {r['completion_tokens_per_s']:.0f} tok/s); ")
+
+
+def account_results(paths: Paths, prompts: list[dict], done: dict[str, dict], report: dict, interrupted: bool) -> dict[str, dict]:
+    """Rewrite failed.jsonl with the ids still not done; returns them."""
+    prompt_ids = {p["id"] for p in prompts}
     done_ids = {pid for pid in done if pid in prompt_ids}
     still_failed = finalize_failed(paths, prompt_ids, done_ids)
     report |= {"num_done": len(done_ids), "num_failed": len(still_failed), "interrupted": interrupted}
-    if gen_stats is not None:
-        s = gen_stats
-        el = s.elapsed()
-        report["this_run"] = {
-            "prompts": len(todo), "done": s.done, "failed": s.failed, "requests": s.requests, "retries": s.retries,
-            "retry_reasons": dict(s.retry_reasons), "failure_reasons": dict(s.failure_reasons),
-            "finish_reasons": dict(s.finish_reasons), "turn_flags": dict(s.turn_flags), "prompt_tokens": s.prompt_tokens,
-            "completion_tokens": s.completion_tokens, "elapsed_s": round(el, 3),
-            "requests_per_s": round(s.requests / el, 3), "samples_per_s": round(s.done / el, 3),
-            "completion_tokens_per_s": round(s.completion_tokens / el, 1),
-            "max_in_flight": s.max_in_flight, "avg_in_flight": round(s.avg_in_flight(), 2),
-        }
-    gen_line = ""
-    if gen_stats is not None:
-        r = report["this_run"]
-        gen_line = (f"{r['done']} generated, {r['failed']} failed, {r['retries']} retries in {r['elapsed_s']:.1f}s "
-                    f"({r['requests_per_s']:.2f} req/s, {r['completion_tokens_per_s']:.0f} tok/s); ")
-    if interrupted:
-        report["complete"] = False
-        atomic_write_json(paths.report, report)
-        print(f"01b_generate_synthetic: interrupted: {gen_line}{len(done_ids)}/{len(prompts)} done, "
-              f"{len(still_failed)} failed; rerun the same command to resume", file=sys.stderr)
-        return 130
+    return still_failed
 
-    tok = tokenize_outputs(cfg, paths, prompts, done, tokenizer)
-    tok["fingerprint"] = fingerprint(cfg, done_ids, tokenizer)
-    report["tokenize"] = tok
-    report["complete"] = not still_failed
-    atomic_write_json(paths.report, report)
-    print(f"01b_generate_synthetic: {gen_line}{len(done_ids)}/{len(prompts)} done, {len(still_failed)} failed"
-          f"{' (rerun to retry them; reasons in ' + str(paths.failed) + ')' if still_failed else ''}; "
-          f"tokenized train {tok['train']}, eval {tok['eval']}, {tok['tokens']} tokens ({tok['loss_tokens']} with loss), "
-          f"{tok['truncated']} truncated, skipped {tok['skipped'] or 0}")
-    return 0
+
+def check_failure_share(cfg: Config, paths: Paths, report: dict, still_failed: dict[str, dict], manifest: StageManifest) -> None:
+    """No sample at all, or more failures than generate.max_failure_fraction: an error, and no
+    train.jsonl is written (later stages must not train on a broken generation)."""
+    n, failed = report["num_prompts"], len(still_failed)
+    if not failed:
+        return
+    causes = Counter(str(r.get("status_code") or r.get("error_type") or "unknown") for r in still_failed.values())
+    why = ", ".join(f"{cause} x{count}" for cause, count in causes.most_common(3))
+    todo = f"reasons per id in {paths.failed}; fix the server or the prompts and rerun (finished samples are kept, failed ones retried)"
+    limit = cfg.generate.max_failure_fraction
+    if report["num_done"] == 0:
+        fail(paths, report, manifest, f"no prompt got an answer: all {failed} of {n} failed every retry ({why}); {todo}")
+    if failed / n > limit:
+        fail(paths, report, manifest, f"{failed} of {n} prompts ({failed / n:.0%}) failed every retry, more than "
+                                      f"generate.max_failure_fraction={limit:g} ({why}); {todo}")
+
+
+def fail(paths: Paths, report: dict, manifest: StageManifest, message: str) -> None:
+    """Record why the run failed in generate_report.json and the manifest, then stop with one line."""
+    atomic_write_json(paths.report, report | {"complete": False, "error": message})
+    manifest.partial(manifest.result, outcome="failed")
+    raise PipelineError(message)
 
 
 async def check_server_token_ids(client, cfg: Config, model: str) -> None:

@@ -1,6 +1,6 @@
 """File I/O every stage shares: JSONL reading/appending and atomic writes.
 
-Rules (DESIGN.md): a file is either written atomically (temp file in the same directory,
+Rules (docs/design.md#resume-rules): a file is either written atomically (temp file in the same directory,
 fsync, rename) or append-only, where a torn last line left by a crash is tolerated on read
 and cut off before appending again.
 """
@@ -12,9 +12,12 @@ import glob
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from tqdm import tqdm
 
 from common.errors import DataError
 
@@ -68,14 +71,21 @@ def atomic_write_json(final: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(final, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
+@contextlib.contextmanager
+def jsonl_writer_atomic(final: str | os.PathLike) -> Iterator[Callable[[dict], None]]:
+    """Yield write(row): rows go to a temp file as they come (nothing is held in memory), which
+    becomes `final` only if the block succeeds."""
+    with atomic_path(final) as tmp, open(tmp, "w", encoding="utf-8") as f:  # closed before the rename
+        yield lambda row: f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
 def write_jsonl_atomic(final: str | os.PathLike, rows) -> int:
     """Write all rows to `final` atomically; returns the row count."""
     n = 0
-    with atomic_path(final) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                n += 1
+    with jsonl_writer_atomic(final) as write:
+        for row in rows:
+            write(row)
+            n += 1
     return n
 
 
@@ -193,10 +203,29 @@ class JsonlAppender:
         self.close()
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """sha256 of a file, read in chunks (shards are GBs)."""
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22, progress: Callable[[int], Any] | None = None) -> str:
+    """sha256 of a file, read in chunks (shards are GBs); `progress(n)` after each chunk of n bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+            if progress is not None:
+                progress(len(block))
     return h.hexdigest()
+
+
+def bytes_bar(total: int, desc: str) -> tqdm:
+    """A progress bar over bytes (a pass over big files) on stderr. It shows only once the pass has
+    taken a few seconds, so quick runs stay quiet. Use it as a context manager, so that an error
+    closes it before the one-line error is printed."""
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, delay=3, disable=total == 0, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for people, in decimal units: 512 B, 3.80 GB."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"

@@ -2,8 +2,9 @@
 
     plot_report(report, "run/train/metrics.jsonl", "run/eval/report.png")
 
-Left: per-position acceptance rate measured in vLLM, next to the offline prediction from
-train/eval_report.json when there is one (prod of teacher-forced step accuracies up to i). Middle: training loss.
+Left: per-position acceptance rate measured in vLLM on the held-out prompts and on the other-kind
+prompts (when 05 measured them), next to the offline prediction (04's replay of vLLM's rounds,
+common.acceptance). Middle: training loss.
 Right: per-step accuracy over training. Rendered with matplotlib's Agg backend (no display).
 """
 
@@ -51,20 +52,25 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     curves = training_curves(metrics_path)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
 
-    # 1) per-position acceptance in vLLM vs its offline prediction
+    # 1) per-position acceptance in vLLM (held-out, other-kind prompts) vs its offline prediction
     ax = axes[0]
     rates = report.get("per_position_acceptance") or []
-    positions = list(range(len(rates)))
+    other = report.get("other_prompts") or {}
     offline = _offline_per_position(report)
-    width = 0.4 if offline else 0.6
-    bars = ax.bar([p - (width / 2 if offline else 0) for p in positions], rates, width=width, label="vLLM (measured)", color="tab:blue")
-    for bar, r in zip(bars, rates):
-        ax.text(bar.get_x() + bar.get_width() / 2, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=8)
+    series = [(f"vLLM, held-out (AL {report['acceptance_length']:.2f})" if isinstance(report.get("acceptance_length"), (int, float))
+               else "vLLM, held-out", rates, "tab:blue")]
+    if other.get("per_position_acceptance"):
+        series.append((f"vLLM, other-kind prompts (AL {other['acceptance_length']:.2f})", other["per_position_acceptance"], "tab:green"))
     if offline:
-        # The offline prediction of the same quantity: prod of teacher-forced step accuracies.
-        ax.bar([p + width / 2 for p in range(len(offline))], offline, width=width, label="offline (prod of step acc)",
-               color="tab:orange", alpha=0.8)
-    ax.set_xticks(range(max(len(rates), len(offline or []))))
+        kind = (report.get("offline") or {}).get("prediction", "offline")
+        series.append((f"offline prediction ({kind}, held-out split)", offline, "tab:orange"))
+    width = 0.8 / len(series)
+    for j, (label, values, color) in enumerate(series):
+        xs = [p - 0.4 + width * (j + 0.5) for p in range(len(values))]
+        bars = ax.bar(xs, values, width=width, label=label, color=color, alpha=0.9 if j == 0 else 0.8)
+        for bar, r in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(max(len(v) for _, v, _ in series) if any(v for _, v, _ in series) else 0))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
@@ -72,7 +78,7 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     title = f"acceptance length {al:.2f} (k={report.get('num_speculative_tokens')})" if isinstance(al, (int, float)) else "acceptance"
     offline_al = (report.get("offline") or {}).get("expected_acceptance_length")
     if isinstance(offline_al, (int, float)):
-        title += f", offline {offline_al:.2f}"
+        title += f", predicted {offline_al:.2f}"
     ax.set_title(title)
     ax.legend(fontsize=8)
 

@@ -13,7 +13,7 @@ head_dim 32) and "deepseek_v3" (DeepseekV3ForCausalLM, tiny MLA + MoE; random in
 used for extraction tests only).
 
 Why train: a randomly initialised target has near-uniform logits and a draft head learns nothing
-that generalises from it (DESIGN.md). So llama and qwen3 are trained briefly (plain AdamW, CPU) on
+that generalises from it (docs/design.md#the-tiny-target). So llama and qwen3 are trained briefly (plain AdamW, CPU) on
 a deterministic synthetic chat corpus: templated questions (math, code, writing, facts, reasoning,
 multi-turn) with templated, structured answers that start with a `<think>` reasoning part. The
 trained model answers in that format, e.g. `<think>\\n...\\n</think>\\n\\nHere is ...<|im_end|>`.
@@ -447,10 +447,15 @@ def model_config(family: str, vocab_size: int, pad_id: int, eos_id: int):
         cfg.architectures = ["Qwen3ForCausalLM"]
     elif family == "deepseek_v3":
         # Tiny MLA + MoE: layer 0 dense, layers 1-3 with 8 routed experts (2 per token) + 1 shared.
+        # The latent cache keeps DeepSeek-V3's real width, kv_lora_rank 512 + rope 64 = 576: vLLM's CPU
+        # MLA kernel is compiled for that size only (cpu_mla.py get_supported_head_sizes).
         cfg = transformers.DeepseekV3Config(
             num_key_value_heads=4, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=8,
             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
-            kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_mtp_layers=0,
+            kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_mtp_layers=0,
+            # What DeepSeek-V3's own config.json says and transformers implements (sigmoid router with a
+            # correction bias); vLLM reads these two keys to build the same router (else it has no bias).
+            topk_method="noaux_tc", scoring_func="sigmoid",
             **common,
         )
         cfg.architectures = ["DeepseekV3ForCausalLM"]

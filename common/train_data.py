@@ -103,7 +103,6 @@ class HiddenIndex:
                 raise DataError(f"{index_path} has no '{key}' field; {RERUN_02} with --overwrite")
         aux_ids = [int(k) for k in raw["aux_layer_ids"]]
         h_t = int(raw["target_hidden_size"])
-        sample_splits = raw.get("sample_splits") or {}  # optional global {sample_id: split}
         shards: list[ShardInfo] = []
         samples: list[SampleRef] = []
         for si, entry in enumerate(raw["shards"]):
@@ -111,36 +110,18 @@ class HiddenIndex:
             ids = [str(x) for x in entry.get("sample_ids", [])]
             info = ShardInfo(entry["file"], path, int(entry.get("num_tokens", -1)), ids)
             offsets = _verify_shard(info, len(aux_ids), h_t)
-            splits = _shard_splits(entry, ids, sample_splits, path)
+            split = entry.get("split")  # 02 keeps train and eval samples in separate shards
+            if split not in SPLITS:
+                raise DataError(f"index entry for {path} has split {split!r}, expected train or eval; {RERUN_02} with --overwrite")
             for j, sid in enumerate(ids):
                 start, end = int(offsets[j]), int(offsets[j + 1])
                 if end <= start:
                     raise DataError(f"hidden shard {path}: sample '{sid}' has no tokens (offsets {start}..{end}); {RERUN_02} with --overwrite")
-                samples.append(SampleRef(si, start, end, sid, splits[j]))
+                samples.append(SampleRef(si, start, end, sid, split))
             shards.append(info)
         if not samples:
             raise DataError(f"{index_path} lists no samples; check data/train.jsonl and {RERUN_02}")
         return cls(hidden_dir, aux_ids, h_t, raw.get("num_target_layers"), str(raw.get("dtype", "")), shards, samples, raw)
-
-
-def _shard_splits(entry: dict, ids: list[str], sample_splits: dict, path: Path) -> list[str]:
-    """Each sample's split: per-sample list in the shard entry, one split for the shard, or a global map."""
-    per_sample = entry.get("splits")
-    shard_split = entry.get("split")
-    if isinstance(shard_split, list):
-        per_sample = shard_split
-    if per_sample is not None:
-        if len(per_sample) != len(ids):
-            raise DataError(f"index entry for {path} has {len(per_sample)} splits for {len(ids)} samples; {RERUN_02} with --overwrite")
-        out = [str(s) for s in per_sample]
-    elif isinstance(shard_split, str):
-        out = [shard_split] * len(ids)
-    else:
-        out = [str(sample_splits.get(sid, "train")) for sid in ids]
-    bad = sorted(set(out) - set(SPLITS))
-    if bad:
-        raise DataError(f"index entry for {path} has unknown split(s) {bad}; expected train or eval")
-    return out
 
 
 def _verify_shard(info: ShardInfo, num_aux: int, h_t: int) -> np.ndarray:
@@ -178,6 +159,32 @@ def _verify_shard(info: ShardInfo, num_aux: int, h_t: int) -> np.ndarray:
             )
     info.num_tokens = n
     return offsets
+
+
+def verify_shard_files(index: HiddenIndex, layout, env, mode: str = "sha256") -> None:
+    """Check every shard's bytes against the size and sha256 02 recorded in index.json (mode
+    "size": sizes only, extract.verify), so a shard damaged after extraction stops 04 with one line
+    instead of training on bad bytes. Ranks share the hashing; results are cached by (size, mtime)
+    in run_dir/stages/hashes.json, so a resumed run does not read the shards again."""
+    from tqdm import tqdm
+
+    from common.run_folder import content_fingerprint
+
+    entries = index.raw.get("shards") or []
+    mine = [e for i, e in enumerate(entries) if i % env.world_size == env.rank]
+    total = sum(int(e.get("bytes") or 0) for e in mine)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="04 verify shards", disable=not env.is_main or mode != "sha256",
+              mininterval=1.0) as bar:
+        for entry in mine:
+            path = index.hidden_dir / entry["file"]
+            want_bytes, want_sha = entry.get("bytes"), entry.get("sha256")
+            size = path.stat().st_size
+            if want_bytes is not None and size != want_bytes:
+                raise DataError(f"hidden shard {path} has {size} bytes but 02 wrote {want_bytes} (truncated or overwritten); {RERUN_02}")
+            if mode == "sha256" and want_sha and content_fingerprint(layout, path) != want_sha:
+                raise DataError(f"hidden shard {path} does not match the sha256 02 recorded in index.json (the file was "
+                                f"damaged after extraction); {RERUN_02}")
+            bar.update(size)
 
 
 # ---------------------------------------------------------------------------------------

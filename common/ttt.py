@@ -1,6 +1,6 @@
-"""Training-time-test (TTT) loss of the EAGLE-3 draft (reference/eagle3-spec.md §4).
+"""Training-time-test (TTT) loss of the EAGLE-3 draft (docs/design.md#ttt-alignment-and-loss).
 
-Alignment (the official EAGLE-3 scheme, spec §4.1-4.4). One packed row holds samples of token
+Alignment (the official EAGLE-3 scheme). One packed row holds samples of token
 ids x back to back. For step i = 0..ttt_steps-1 and index t inside a sample of length L:
 
     draft input      hidden: fc(aux[t]) at step 0, the draft's own pre-norm output of step i-1 at t
@@ -28,6 +28,7 @@ logits instead of keeping T x V_d logits of every step alive.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -70,6 +71,7 @@ class TTTOutput:
     step_counts: list[int]  # counted positions (valid and loss-masked) per step
     denominator: float = 1.0  # the normaliser used for every step's loss
     step_loss_counts: list[int] = field(default_factory=list)  # positions kept by the t2d filter
+    step_hits: Optional[torch.Tensor] = None  # [steps, T] bool: counted and correct at (step, t); with per_position
 
 
 def _chunk_step_loss(model, hidden, teacher_logp, keep):
@@ -82,13 +84,14 @@ def _chunk_step_loss(model, hidden, teacher_logp, keep):
 
 def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids, seq_lens, lm_head_weight,
              ttt_steps: int, decay: float, *, teacher=None, denominator: float | None = None,
-             chunk_tokens: int = 1024, checkpoint_chunks: bool = True) -> TTTOutput:
+             chunk_tokens: int = 1024, checkpoint_chunks: bool = True, per_position: bool = False) -> TTTOutput:
     """The TTT loss of one packed row (see the module docstring for the alignment).
 
     `model` may be a DDP/FSDP wrapper: the draft runs through `model(...)` and each step's loss is
     computed inside its forward. `teacher` = a precomputed (logp, argmax) pair from
     `teacher_from_final_hidden` (then final_hidden / lm_head_weight are not used);
     `denominator` overrides the step-0 count (e.g. a global count over accumulation steps).
+    `per_position`: also return step_hits, which positions each step got right (common.acceptance replays them).
     """
     draft = getattr(model, "module", model)
     input_ids = squeeze_row(input_ids, 1)
@@ -109,6 +112,7 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
     if denominator is None:
         denominator = max(1, int(counted[0].sum()))
     use_ckpt = checkpoint_chunks and torch.is_grad_enabled()
+    hits = torch.zeros(ttt_steps, T, dtype=torch.bool, device=device) if per_position else None
 
     def step_fn(m, step, hidden):
         rows = torch.nonzero(counted[step], as_tuple=False).squeeze(1)
@@ -122,7 +126,10 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
             args = (m, hidden[r], teacher_logp[tr], keep)
             part, pred = checkpoint(_chunk_step_loss, *args, use_reentrant=False) if use_ckpt else _chunk_step_loss(*args)
             loss_sum = part if loss_sum is None else loss_sum + part
-            correct = correct + (m.draft_to_target_ids(pred) == teacher_argmax[tr]).sum()
+            right = m.draft_to_target_ids(pred) == teacher_argmax[tr]
+            correct = correct + right.sum()
+            if hits is not None:
+                hits[step, r] = right
         if loss_sum is None:  # nothing counted: keep the graph connected (DDP wants every parameter used)
             loss_sum = m.compute_logits(hidden[:1]).float().sum() * 0.0
         kept = (counted[step] & in_draft_vocab[layout.shifted(1 + step)[0]]).sum()
@@ -143,4 +150,5 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
         step_counts=[int(x) for x in stats[2].tolist()],
         denominator=float(denominator),
         step_loss_counts=[int(x) for x in stats[3].tolist()],
+        step_hits=hits,
     )

@@ -6,7 +6,7 @@
         spec = spec_decode_metrics(server.metrics())
 
 The server runs as `python -m vllm.entrypoints.openai.api_server` in its own process group
-(the `vllm` console command of the CPU build is broken, DESIGN.md), on a free loopback port
+(the `vllm` console command of the CPU build is broken, docs/design.md#vllm-on-cpu-machines), on a free loopback port
 when port=0, with its output written to `log_path`. On CPU (no CUDA) it gets the settings
 that work there: VLLM_CPU_KVCACHE_SPACE=1, --gpu-memory-utilization 0.3 (a share of host
 memory on CPU) and --enforce-eager (skips minutes of compilation). `stop()` sends SIGTERM to
@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -32,10 +31,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from common.errors import PipelineError
+from prometheus_client.parser import text_string_to_metric_families
 
-# Reasoning parsers (vLLM --reasoning-parser names) that split <think>...</think> output.
-THINK_REASONING_PARSERS = ("deepseek_r1", "qwen3")
+from common.errors import PipelineError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -221,9 +219,6 @@ class VllmServer:
         except (OSError, ValueError):
             return False
 
-    def is_running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def log_tail(self, n: int = 25) -> str:
         try:
             lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -270,36 +265,15 @@ class VllmServer:
 
 # ----------------------------------------------------------------------------- Prometheus
 
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
-    """Prometheus text exposition -> {metric name: [(labels, value), ...]}.
-
-    Counter samples keep their exposed name (`..._total`); `_created` samples are dropped.
-    """
+    """Prometheus text exposition -> {sample name: [(labels, value), ...]}, read with
+    prometheus_client's parser (installed with vLLM). Counter samples keep their exposed name
+    (`..._total`); the `_created` timestamps are dropped. Raises ValueError on malformed text."""
     out: dict[str, list[tuple[dict, float]]] = defaultdict(list)
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if not m:
-            continue
-        name, labels_text, value = m.group(1), m.group(3), m.group(4)
-        if name.endswith("_created"):
-            continue
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        labels = {k: _unescape(val) for k, val in _LABEL_RE.findall(labels_text or "")}
-        out[name].append((labels, v))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                out[sample.name].append((dict(sample.labels), float(sample.value)))
     return dict(out)
 
 
@@ -314,7 +288,10 @@ def scrape_metrics(url: str, timeout: float = 10.0, api_key: Optional[str] = Non
         raise PipelineError(f"cannot read metrics from {root}/metrics ({e}); is the vLLM server running?") from None
     if code != 200:
         raise PipelineError(f"{root}/metrics answered HTTP {code}; is this a vLLM server?")
-    return parse_prometheus(body)
+    try:
+        return parse_prometheus(body)
+    except ValueError as e:
+        raise PipelineError(f"{root}/metrics is not in the Prometheus text format ({e}); is this a vLLM server?") from None
 
 
 def _total(samples: dict, name: str) -> float:

@@ -4,7 +4,7 @@ Counts how often each token id occurs at loss-masked (assistant) positions of da
 (eval is never counted: its coverage must stay an honest estimate), keeps the
 vocab.draft_vocab_size most frequent ids (ties broken by the lower id), pads with the lowest
 unused ids when fewer distinct ids were seen, and sorts them ascending. As in official EAGLE-3,
-SpecForge and speculators (spec §3):
+SpecForge and speculators (docs/design.md#vocabulary-map):
 
     d2t int64 [V_d]   offsets: target id = i + d2t[i]   (vLLM reads this; draft_id_to_target_id)
     t2d bool  [V]     t2d[j] = j is in the draft vocab, exactly V_d True entries
@@ -18,7 +18,6 @@ vocab, number of padded ids, and the input fingerprint used to decide "already c
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import DataError
-from common.io import atomic_path, atomic_write_json, file_sha256, read_json
+from common.io import atomic_path, atomic_write_json, bytes_bar, file_sha256, read_json
 
 log = logging.getLogger("vocab_map")
 
@@ -40,9 +39,10 @@ def count_masked_tokens(path: Path, vocab_size: int, flush_every: int = 1 << 20)
     pending: list[int] = []
     digest = hashlib.sha256()
     num_samples = 0
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, bytes_bar(path.stat().st_size, f"03 count {path.name}") as bar:
         for lineno, line in enumerate(f, start=1):
             digest.update(line)
+            bar.update(len(line))
             if not line.strip():
                 continue
             sample = parse_tokenized_line(line, path, lineno)
@@ -75,12 +75,39 @@ def build_mappings(used_ids: np.ndarray, vocab_size: int):
     return d2t, t2d
 
 
-def load_vocab_map(path: str | Path):
-    """(d2t, t2d) from vocab_map.safetensors."""
+RERUN_03 = "rerun 03_build_vocab_map.py --overwrite"
+
+
+def load_vocab_map(path: str | Path, target_vocab: int | None = None, draft_vocab_size: int | None = None):
+    """(d2t int64 [V_d], t2d bool [V]) from vocab_map.safetensors, checked to be a consistent map
+    (d2t lands exactly on the ids t2d marks) and, when given, to fit the target vocab and
+    vocab.draft_vocab_size. Every problem is a DataError naming the file and the fix."""
+    import torch
     from safetensors.torch import load_file
 
-    tensors = load_file(str(path))
-    return tensors["d2t"], tensors["t2d"]
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"no draft vocab map at {path}; run 03_build_vocab_map.py first")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise DataError(f"vocab map {path} is unreadable ({e}); {RERUN_03}") from None
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise DataError(f"vocab map {path} lacks 'd2t' or 't2d'; {RERUN_03}")
+    d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
+    if target_vocab is not None and t2d.numel() != target_vocab:
+        raise DataError(f"vocab map {path} is for a target vocab of {t2d.numel()} tokens but the target has {target_vocab}; "
+                        f"{RERUN_03}")
+    # 03 caps a draft vocab larger than the target's at the target vocab (with a warning).
+    if draft_vocab_size is not None and d2t.numel() != min(draft_vocab_size, t2d.numel()):
+        raise DataError(
+            f"vocab map {path} has {d2t.numel()} draft tokens but vocab.draft_vocab_size={draft_vocab_size}; "
+            f"{RERUN_03} (or set vocab.draft_vocab_size={d2t.numel()})"
+        )
+    targets = torch.arange(d2t.numel()) + d2t
+    if int(t2d.sum()) != d2t.numel() or targets.min() < 0 or targets.max() >= t2d.numel() or not bool(t2d[targets].all()):
+        raise DataError(f"vocab map {path} is inconsistent (d2t does not map onto the ids marked in t2d); {RERUN_03}")
+    return d2t, t2d
 
 
 def run_vocab_map(cfg, overwrite: bool = False) -> dict:

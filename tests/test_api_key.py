@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import yaml
@@ -23,6 +21,7 @@ from conftest import REPO, stage_env
 from fault_server import FaultServer, Faults
 
 from common.io import iter_jsonl
+from tests.helpers import RejectingServer
 
 KEY = "sk-eagle3-TEST-5ecr3t-9f1c2e7d4b"
 DECOY = "sk-decoy-from-OPENAI_API_KEY-77aa"
@@ -83,40 +82,6 @@ def test_key_comes_from_the_env_var_reaches_the_server_and_is_never_written(tmp_
         assert KEY[-12:] not in text, f"part of the API key leaked into {name}"
     assert files_containing(tmp_path, KEY) == [] and files_containing(tmp_path, KEY[-12:]) == []
     assert files_containing(tmp_path, DECOY) == []
-
-
-class RejectingServer:
-    """Answers 401 to everything, like vLLM started with --api-key and given another key."""
-
-    def __init__(self):
-        self.auth: list[str] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reject(self):
-                outer.auth.append(self.headers.get("Authorization", ""))
-                body = json.dumps({"error": {"message": "Unauthorized", "type": "invalid_request_error", "code": 401}}).encode()
-                self.send_response(401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = _reject
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def test_rejected_key_is_a_one_line_error_naming_the_variable_not_the_value(tmp_path, chat_tokenizer_dir):

@@ -47,6 +47,7 @@ from conftest import REPO, stage_env
 from fault_server import FaultServer, Faults
 
 from common.io import iter_jsonl
+from tests.helpers import write_yaml
 
 PYTHON = sys.executable
 VOCAB = 256
@@ -169,11 +170,6 @@ def assert_error(res: Result, *fragments: str) -> str:
 def assert_ok(res: Result) -> None:
     assert res.rc == 0, (res.rc, res.stderr[-3000:])
     assert "Traceback" not in res.stderr
-
-
-def write_yaml(path: Path, tree: dict) -> Path:
-    path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
-    return path
 
 
 def write_lines(path: Path, lines: list) -> Path:
@@ -476,8 +472,8 @@ def test_config_unknown_key_names_the_closest_valid_one(cli, tmp_path, tree, arg
     ({"train": {"lr": "fast"}}, [], ["config key 'train.lr' must be a number, got 'fast'"]),
     ({}, ["--set", "generate.concurrency=lots"], ["config key 'generate.concurrency' must be an integer, got 'lots'"]),
     ({"target": {"aux_layer_ids": "1,2,3"}}, [], ["config key 'target.aux_layer_ids' must be a list"]),
-    ({"train": {"ttt_steps": 0}}, [], ["train.ttt_steps must be >= 1, got 0"]),
-    ({"tokenize": {"overlong": "chop"}}, [], ["tokenize.overlong must be 'truncate' or 'drop', got 'chop'"]),
+    ({"train": {"ttt_steps": 0}}, [], ["config key 'train.ttt_steps' must be >= 1, got 0"]),
+    ({"tokenize": {"overlong": "chop"}}, [], ["config key 'tokenize.overlong' must be one of truncate, drop, got 'chop'"]),
 ], ids=["number", "integer", "list", "range", "choice"])
 def test_config_wrong_value_type_names_the_key(cli, tmp_path, tree, args, fragments):
     cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run"), **tree})
@@ -601,13 +597,13 @@ def test_02_missing_target_weight_shard_names_the_file(cli, tmp_path, weights_ta
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory) -> Path:
     """tests/test_train.py's data set: tiny target, extracted hidden states, vocab map."""
-    from test_train import build_run
+    from tests.helpers import build_run
 
     return build_run(tmp_path_factory.mktemp("train-run"))
 
 
 def clone_train(train_run: Path, dest: Path, **train) -> Path:
-    from test_train import clone_run
+    from tests.helpers import clone_run
 
     return clone_run(train_run, dest, **train)
 

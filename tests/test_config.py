@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import Config, config_from_dict, load_config, parse_override
+from common.config import Config, config_from_dict, load_config, parse_override, validate
 from common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,11 @@ def test_every_contract_key_settable_with_set(tmp_path):
 
 def test_set_null_and_yaml_values():
     assert parse_override("target.aux_layer_ids=null") == ("target.aux_layer_ids", None)
-    assert parse_override("train.lr=1e-4")[1] == pytest.approx(1e-4) or parse_override("train.lr=1e-4")[1] == "1e-4"
+    # YAML 1.1 reads 1e-4 (no dot) as a string; an override is a number either way
+    for text, number in [("train.lr=1e-4", 1e-4), ("train.lr=2.5E-5", 2.5e-5), ("train.lr=0.001", 0.001)]:
+        key, value = parse_override(text)
+        assert key == "train.lr" and type(value) is float and value == number
+    assert parse_override("generate.model=1e") == ("generate.model", "1e")  # not a number: stays a string
     cfg = config_from_dict({"target": {"aux_layer_ids": [1, 2]}}, ["target.aux_layer_ids=null"])
     assert cfg.target.aux_layer_ids is None
 
@@ -57,7 +61,7 @@ def test_set_null_and_yaml_values():
         ({"train": {"ttt_steps": 2.5}}, [], "config key 'train.ttt_steps' must be an integer, got 2.5"),
         ({"target": {"trust_remote_code": "yes"}}, [], "must be true or false"),
         ({"target": {"aux_layer_ids": [1, 1, 2]}}, [], "duplicated ids [1, 1, 2]"),
-        ({"data": {"eval_fraction": 1.5}}, [], "data.eval_fraction must be in [0, 1)"),
+        ({"data": {"eval_fraction": 1.5}}, [], "config key 'data.eval_fraction' must be >= 0 and < 1, got 1.5"),
         ({"train": 3}, [], "section 'train' must be a mapping"),
         ({}, ["train.lr"], "--set expects KEY=VALUE"),
     ],
@@ -97,5 +101,6 @@ def test_cli_unknown_key_is_one_line_exit_2(tmp_path):
 
 def test_defaults_are_a_valid_config():
     cfg = Config()
+    validate(cfg)  # raises ConfigError if a default breaks a rule
     assert cfg.train.ttt_steps == 7 and cfg.train.loss_decay == 0.8
     assert cfg.generate.concurrency == 128 and cfg.generate.timeout_s >= 3600

@@ -196,7 +196,7 @@ def test_load_target_embedding_copies_and_freezes():
 
 
 def test_ttt_mask_matches_spec_example():
-    # spec §4.3: T=4 (one sample), step 2 rows
+    # docs/design.md#ttt-alignment-and-loss: T=4 (one sample), step 2 rows
     mask = build_ttt_mask([4], 3)
     rows = mask[8:12].int().tolist()
     assert rows == [

@@ -52,6 +52,13 @@ def check_measured(run: Path, out: str) -> dict:
     assert report["outputs"]["identical"] == report["outputs"]["compared"] == report["num_prompts"], report["outputs"]
     assert (run / "eval" / "report.png").stat().st_size > 5_000
     assert "measured in vLLM: acceptance length" in out
+    # 04's replay of vLLM's rounds over the eval split predicts what vLLM measured within 2%
+    assert report["offline"]["prediction"] == "replay"
+    assert abs(report["offline_prediction_error"]) <= 0.02, report["offline"]
+    # the other-kind prompts (data/other_prompts.jsonl) are measured on the same server, losslessly
+    other = report["other_prompts"]
+    assert other["num_prompts"] == 32 and other["counters"]["num_drafts"] > 0 and other["acceptance_length"] > 1.0
+    assert other["outputs"]["identical"] == other["outputs"]["compared"] == 32, other["outputs"]
     return report
 
 

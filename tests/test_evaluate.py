@@ -11,17 +11,16 @@ import contextlib
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from common import evaluate
 from common.config import config_from_dict
-from common.errors import PipelineError
+from common.errors import DataError, PipelineError
 from common.plots import plot_report, training_curves
 from common.vllm_server import metrics_delta, parse_prometheus, spec_decode_metrics
+from tests.helpers import FakeVllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,85 +142,6 @@ def test_training_curves_and_plot_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the stage, on a fake server
-
-
-class FakeVllm:
-    """An OpenAI-compatible chat server with vLLM-style spec-decode counters on /metrics.
-
-    Reply to a prompt = "answer to <user text>" (so runs are comparable). With a draft, every
-    request adds 10 drafts, 30 draft tokens and 5+3+1 = 9 accepted tokens; `diverge` names user
-    texts whose reply changes with the draft (to check that mismatches are reported).
-    """
-
-    def __init__(self, with_draft: bool, diverge: tuple[str, ...] = ()):
-        self.with_draft = with_draft
-        self.diverge = diverge
-        self.lock = threading.Lock()
-        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [0, 0, 0]}
-        self.requests = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, body, ctype="application/json"):
-                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-                elif self.path == "/metrics":
-                    self._send(200, fake.metrics_text(), "text/plain")
-                else:
-                    self._send(404, {"error": "not found"})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                user = body["messages"][-1]["content"]
-                text = f"answer to {user}"
-                if fake.with_draft and user in fake.diverge:
-                    text += " (diverged)"
-                n_tokens = min(body["max_tokens"], len(text.split()) * 3)
-                with fake.lock:
-                    fake.requests.append(body)
-                    if fake.with_draft:
-                        c = fake.counts
-                        c["drafts"] += 10
-                        c["draft_tokens"] += 30
-                        c["accepted"] += 9
-                        c["pos"] = [c["pos"][0] + 5, c["pos"][1] + 3, c["pos"][2] + 1]
-                self._send(200, {
-                    "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": "tiny",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 7, "completion_tokens": n_tokens, "total_tokens": 7 + n_tokens},
-                })
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def metrics_text(self) -> str:
-        if not self.with_draft:
-            return "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 0.0\n"
-        c, lab = self.counts, 'engine="0",model_name="tiny"'
-        lines = [f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(c['drafts'])}",
-                 f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(c['draft_tokens'])}",
-                 f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(c['accepted'])}"]
-        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {float(v)}' for i, v in enumerate(c["pos"])]
-        return "\n".join(lines) + "\n"
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 class RunEnv:
@@ -360,3 +280,86 @@ def test_cli_help_is_light():
         res = subprocess.run([sys.executable, "-c", probe, str(ROOT / script)], capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 0, res.stderr
         assert "usage:" in res.stdout and "HEAVY []" in res.stdout, res.stdout
+
+
+# ----------------------------------------------------------------------------- other-kind prompts, replay prediction
+
+
+def write_other_prompts(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"o{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+                            for i, t in enumerate(texts)))
+    return path
+
+
+def with_other(cfg, path) -> object:
+    tree = cfg.to_dict()
+    return config_from_dict({**tree, "evaluate": {**tree["evaluate"], "other_prompts": str(path)}})
+
+
+def test_other_prompts_are_measured_apart_and_baselined_on_the_generation_server(run_env, capsys):
+    other = write_other_prompts(run_env.run.parent / "other.jsonl", ["plan a trip", "bake bread", "hello"])
+    cfg = with_other(run_env.cfg, other)
+    assert [p["id"] for p in evaluate.load_other_prompts(cfg)] == ["o0", "o1", "o2"]
+    assert evaluate.missing_baselines(cfg) == ["held_out", "other"]
+    with FakeVllm(with_draft=False) as server:
+        assert evaluate.run_stage(cfg, baseline_only=True, base_url=server.base_url) == 0
+        assert len(server.requests) == 2 + 4 + 3  # a warm-up per set, 4 held-out and 3 other prompts
+    assert evaluate.missing_baselines(cfg) == []
+    assert evaluate.run_stage(cfg) == 0
+    assert [s["speculative"] is not None for s in run_env.started] == [True]  # one server: the draft's
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    # held-out: 4 requests x (10 drafts, 9 accepted); other: 3 requests, scraped separately
+    assert report["counters"]["num_drafts"] == 40 and report["num_prompts"] == 4
+    o = report["other_prompts"]
+    assert o["path"] == str(other) and o["num_prompts"] == 3
+    assert o["counters"] == {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 27,
+                             "num_accepted_tokens_per_pos": [15, 9, 3]}
+    assert o["acceptance_length"] == pytest.approx(1.9) and o["outputs"]["identical"] == 3
+    rows = [json.loads(line) for line in (run_env.run / "eval" / "outputs-other.jsonl").read_text().splitlines()]
+    assert [r["with_draft"]["content"] for r in rows] == ["answer to plan a trip", "answer to bake bread", "answer to hello"]
+    assert "other-kind prompts: acceptance length 1.90, 3/3 identical" in capsys.readouterr().out
+    # Dropping the other set changes the report key: measured again.
+    assert evaluate.run_stage(run_env.cfg) == 0
+    assert json.loads((run_env.run / "eval" / "report.json").read_text())["other_prompts"] is None
+
+
+def test_other_prompts_must_exist_and_stay_apart_from_training(run_env):
+    cfg = with_other(run_env.cfg, run_env.run.parent / "missing.jsonl")
+    with pytest.raises(DataError, match="evaluate.other_prompts file not found: .*make_sample_data.py --other"):
+        evaluate.load_other_prompts(cfg)
+    # "question 2" is a train-split prompt of the run
+    cfg = with_other(run_env.cfg, write_other_prompts(run_env.run.parent / "o.jsonl", ["new topic", "question 2"]))
+    with pytest.raises(DataError, match="shares 1 prompt.* with the training data .first: o1."):
+        evaluate.load_other_prompts(cfg)
+
+
+def test_shipped_other_prompts_are_another_kind_than_the_sample_prompts():
+    from common.other_prompts import other_prompt_rows
+
+    rows = [json.loads(line) for line in (ROOT / "data" / "other_prompts.jsonl").read_text().splitlines()]
+    assert rows == other_prompt_rows()  # the shipped file is what the generator writes
+    sample_users = {json.dumps(m.get("content", m.get("value"))).strip('"')
+                    for line in (ROOT / "data" / "sample_prompts.jsonl").read_text().splitlines()
+                    for m in (json.loads(line).get("messages") or json.loads(line).get("conversations") or [])
+                    if isinstance(m, dict) and m.get("role", m.get("from")) in ("user", "human")}
+    assert len(sample_users) > 300
+    other_users = [r["messages"][0]["content"] for r in rows]
+    assert not sample_users & {json.dumps(t).strip('"') for t in other_users}
+    assert len(set(r["kind"] for r in rows)) >= 8
+    lengths = sorted(len(t) for t in other_users)
+    assert lengths[0] < 10 and lengths[-1] > 1000  # one-word prompts to pasted texts
+
+
+def test_offline_prediction_is_the_replay_with_its_error(run_env, capsys):
+    eval_report = {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02},
+                   "replay": {"3": {"acceptance_length": 1.8, "per_position": [0.5, 0.2, 0.1], "rounds": 100,
+                                    "accepted_per_pos": [50, 20, 10]}}}
+    (run_env.run / "train" / "eval_report.json").write_text(json.dumps(eval_report))
+    assert evaluate.run_stage(run_env.cfg) == 0
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    off = report["offline"]
+    assert off["prediction"] == "replay" and off["expected_acceptance_length"] == 1.8
+    assert off["expected_per_position"] == [0.5, 0.2, 0.1] and off["replay_rounds"] == 100
+    assert off["product_formula"] == {"acceptance_length": 2.02, "per_position": pytest.approx([0.6, 0.3, 0.12])}
+    assert report["offline_prediction_error"] == pytest.approx((1.8 - 1.9) / 1.9)
+    assert "offline replay 1.80 (-5.3%)" in capsys.readouterr().out

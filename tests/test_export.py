@@ -153,6 +153,39 @@ def test_failed_export_leaves_previous_export_intact(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
 
 
+def test_full_vocab_export_has_no_vocab_map_and_round_trips(tmp_path):
+    """draft_vocab_size = target vocab: no d2t/t2d in the file (vLLM 0.32 would route d2t to a
+    draft_id_to_target_id it never built); loading gives back the identity map and the same logits."""
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(DraftModelConfig(hidden_size=H, intermediate_size=96, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=16, vocab_size=V, draft_vocab_size=V,
+                                              target_hidden_size=H_T, aux_layer_ids=[1, 2, 3]))
+    model.load_target_embedding(torch.randn(V, H))
+    model.set_vocab_map(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    out = export_vllm_draft(model, tmp_path / "draft", dtype=torch.float32)
+    tensors = read_safetensors(out / "model.safetensors")
+    assert "d2t" not in tensors and "t2d" not in tensors
+    assert tensors["lm_head.weight"].shape == (V, H)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == V
+    back = load_exported_draft(out, embedding=model.embed_tokens.weight.detach())
+    assert torch.equal(back.d2t, torch.zeros(V, dtype=torch.long)) and bool(back.t2d.all())
+    aux, ids, pos = row([7, 5])
+    with torch.no_grad():
+        for a, b in zip(model.forward_ttt(aux, ids, pos, [7, 5], 2), back.forward_ttt(aux, ids, pos, [7, 5], 2)):
+            torch.testing.assert_close(a, b)
+    # speculators format: the same rule
+    spec = export_speculators_draft(model, tmp_path / "spec", "target", 3)
+    assert not {"d2t", "t2d"} & set(read_safetensors(spec / "model.safetensors"))
+    # a full vocab in another order cannot be expressed without d2t: a clear error, no export
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    model.set_vocab_map(perm - torch.arange(V), torch.ones(V, dtype=torch.bool))
+    with pytest.raises(DataError, match="reorders it"):
+        export_vllm_draft(model, tmp_path / "reordered")
+    assert not (tmp_path / "reordered").exists()
+    # a smaller draft vocab keeps both tensors
+    assert {"d2t", "t2d"} <= set(read_safetensors(export_vllm_draft(make_model(), tmp_path / "small") / "model.safetensors"))
+
+
 def test_load_rejects_mismatched_files(tmp_path):
     out = export_vllm_draft(make_model(), tmp_path / "draft")
     config = json.loads((out / "config.json").read_text())
@@ -403,17 +436,38 @@ def test_vllm_loads_exported_random_draft_and_output_is_lossless(tmp_path):
     assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
 
 
-def make_model_for_target(layers: int) -> Eagle3DraftModel:
+def make_model_for_target(layers: int, full_vocab: bool = False) -> Eagle3DraftModel:
     S, _ = chain_setup()
     torch.manual_seed(1)
     cfg = DraftModelConfig(hidden_size=TV, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, vocab_size=TV, draft_vocab_size=CHAIN, target_hidden_size=TV,
+                           head_dim=32, vocab_size=TV, draft_vocab_size=TV if full_vocab else CHAIN, target_hidden_size=TV,
                            aux_layer_ids=[1, 2, 3], num_hidden_layers=layers, rms_norm_eps=1e-6)
     model = Eagle3DraftModel(cfg)
-    t2d = torch.zeros(TV, dtype=torch.bool)
-    t2d[S] = True
-    model.set_vocab_map(S - torch.arange(CHAIN), t2d)
+    if not full_vocab:
+        t2d = torch.zeros(TV, dtype=torch.bool)
+        t2d[S] = True
+        model.set_vocab_map(S - torch.arange(CHAIN), t2d)
     return model
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_loads_and_serves_a_full_vocab_draft(tmp_path):
+    """draft_vocab_size = target vocab (like the published Kimi-K2.5 draft): the export has no d2t/t2d,
+    vLLM loads it (an export with d2t would fail: vLLM builds no draft_id_to_target_id for a full
+    vocab), drafts with it, and greedy output equals the target alone."""
+    pytest.importorskip("vllm")
+    S, pi = chain_setup()
+    target = build_chain_target(tmp_path / "target", S, pi, random_layers=True)
+    export_vllm_draft(make_model_for_target(layers=1, full_vocab=True), tmp_path / "draft")
+    assert not {"d2t", "t2d"} & set(read_safetensors(tmp_path / "draft" / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TV, (n,), generator=g).tolist() for n in (5, 9, 14, 7)]
+    result, log = run_vllm(tmp_path, tmp_path / "target", tmp_path / "draft", prompts)
+    assert result["tokens"] == [hf_greedy(target, p, 24) for p in prompts]
+    metrics = result["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
 
 
 @pytest.mark.slow

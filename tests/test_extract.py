@@ -30,37 +30,14 @@ from common.extract import (
     run_extraction,
     write_safetensors,
 )
+from tests.helpers import REPO, VOCAB, build_target, write_yaml
 
-REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-VOCAB = 256
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers: tiny random targets, tokenized data, configs
 # ---------------------------------------------------------------------------------------------
-
-
-def build_target(path: Path, family: str = "llama", dtype=torch.bfloat16, max_positions: int = 512, seed: int = 0) -> Path:
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  max_position_embeddings=max_positions, initializer_range=0.1)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(num_key_value_heads=2, **common)
-    elif family == "qwen3":
-        cfg = transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **common)
-    elif family == "deepseek_v3":  # MLA + MoE: layer 0 dense, layers 1-3 with 8 routed experts (2 per token)
-        cfg = transformers.DeepseekV3Config(
-            num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=16, **common)
-    else:
-        raise ValueError(family)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-    model.save_pretrained(path)
-    return path
 
 
 def write_data(run_dir: Path, n_train: int = 24, n_eval: int = 6, seed: int = 0, lengths=(4, 70)) -> None:
@@ -97,13 +74,6 @@ def cfg_of(tree: dict, **target):
     tree = json.loads(json.dumps(tree))
     tree["target"].update(target)
     return config_from_dict(tree)
-
-
-def write_yaml(path: Path, tree: dict) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(tree))
-    return path
 
 
 def shard_bytes(run_dir: Path) -> dict[str, bytes]:
@@ -331,10 +301,10 @@ def test_inputs_changed_needs_overwrite_and_overwrite_restarts(tmp_path, llama_b
     capsys.readouterr()
     run_extraction(cfg)
     assert "already complete" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=r"settings changed since extraction started \(aux_layer_ids: \[1, 2, 3\] -> \[0, 1, 2\]\).*--overwrite"):
+    with pytest.raises(ConfigError, match=r"other inputs or settings \(aux_layer_ids: \[1, 2, 3\] -> \[0, 1, 2\]\).*--overwrite"):
         run_extraction(cfg_of(make_cfg(run_dir, llama_bf16, (0, 1, 2))))
     write_data(run_dir, seed=1)  # different samples
-    with pytest.raises(DataError, match="inputs changed.*--overwrite"):
+    with pytest.raises(DataError, match=r"data/train.jsonl changed.*--overwrite"):
         run_extraction(cfg)
     summary = run_extraction(cfg, overwrite=True)
     assert summary["complete"]
@@ -365,7 +335,9 @@ def test_disk_space_check_numbers(tmp_path):
         free = 10_000_000_000
 
     check_disk_space(tmp_path, 8_999_999_999, 1.0, disk_usage=lambda p: Usage)
-    with pytest.raises(DataError, match=r"need 9.50 GB, free 10.00 GB .* leaves 9.00 GB; 500.00 MB missing"):
+    # the shards and the head-room must both fit: 9.5 GB + 1 GB > 10 GB free
+    with pytest.raises(DataError, match=r"need 9.50 GB for the shards \+ 1.00 GB head-room \(extract.min_free_disk_gb=1\) = 10.50 GB, "
+                                        r"free 10.00 GB; 500.00 MB missing"):
         check_disk_space(tmp_path, 9_500_000_000, 1.0, disk_usage=lambda p: Usage)
 
 

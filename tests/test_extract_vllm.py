@@ -1,11 +1,12 @@
 """The stored aux hidden states are what vLLM feeds an EAGLE-3 draft (real vLLM CPU build).
 
 A tiny random Llama target (4 layers, hidden 128) is served offline by vLLM with an EAGLE-3
-speculative config whose draft (random weights, official format, written here per spec §5.1) asks for
-eagle_aux_hidden_state_layer_ids [1, 2, 3]. In a subprocess (vLLM's LLM needs the __main__ guard;
-VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the engine in-process so we can reach the models) we wrap
-the target's decoder-stack forward (its aux outputs) and the draft's combine_hidden_states (its
-input), run every sample's token ids as a prompt, and save both. Then:
+speculative config whose draft (random weights, official format, written here per
+docs/design.md#vllm-checkpoint-format) asks for eagle_aux_hidden_state_layer_ids [1, 2, 3]. In a
+subprocess (vLLM's LLM needs the __main__ guard; VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the engine
+in-process so we can reach the models) we wrap the target's decoder-stack forward (its aux outputs)
+and the draft's combine_hidden_states (its input), run every sample's token ids as a prompt, and
+save both. Then:
   - the draft's input == the target's aux outputs (the capture point is the right one),
   - our shards' aux_hidden == vLLM's capture within bf16 tolerance, for every token of every sample,
   - HF hidden_states shifted by one layer (either way: the output-of-layer-k or input-of-layer-(k-1)
@@ -105,7 +106,7 @@ def build_target(path: Path) -> Path:
 
 
 def build_random_draft(path: Path) -> Path:
-    """A random EAGLE-3 draft in the official format (spec §5.1) asking for aux layers AUX."""
+    """A random EAGLE-3 draft in the official format (docs/design.md#vllm-checkpoint-format), aux layers AUX."""
     g = torch.Generator().manual_seed(1)
 
     def w(*shape):
@@ -195,7 +196,7 @@ def test_stored_aux_states_match_what_vllm_feeds_the_draft(tmp_path):
                 assert relative_error(a, b) < 0.03, (sid, AUX[k], relative_error(a, b))
                 assert float((a - b).abs().max()) <= 0.05 * float(b.abs().max()), (sid, AUX[k])
             right = relative_error(ours, theirs)
-            # The off-by-one readings of the same ids (spec §2.1 pitfall) are far off.
+            # The off-by-one readings of the same ids are far off (docs/design.md#aux-layer-convention).
             with torch.no_grad():
                 hs = hf.model(input_ids=torch.tensor([rows[sid]["input_ids"]]), output_hidden_states=True).hidden_states
             for shift in (-1, +1):

@@ -96,7 +96,8 @@ def config(write_config, server: FaultServer | str, tokenizer_dir: Path, tokeniz
            target: dict | None = None, **generate) -> Path:
     base_url = server if isinstance(server, str) else server.base_url
     gen = {"base_url": base_url, "concurrency": 8, "timeout_s": 2.0, "max_retries": 6, "backoff_initial_s": 0.01,
-           "backoff_max_s": 0.05, "max_tokens": 64, "fsync_every": 4, "api_key_env": "EAGLE3_TEST_API_KEY"}
+           "backoff_max_s": 0.05, "max_tokens": 64, "fsync_every": 4, "api_key_env": "EAGLE3_TEST_API_KEY",
+           "max_failure_fraction": 1.0}  # these tests inject failures on purpose; the limit has its own tests
     gen.update(generate)
     return write_config({"target": {"model": str(tokenizer_dir), **(target or {})}, "generate": gen,
                          "tokenize": {"max_seq_len": 512, **(tokenize or {})}})
@@ -566,7 +567,7 @@ def test_server_mode_without_token_ids_fails_clearly(run_dir, write_config, chat
         with pytest.raises(DataError, match="6 finished row.*have no token ids.*--overwrite"):
             run_stage(load_config(cfg_path))
         assert server.stats.requests == requests
-    with pytest.raises(ConfigError, match="token_ids_from must be 'template' or 'server'"):
+    with pytest.raises(ConfigError, match="token_ids_from' must be one of template, server"):
         run_stage(load_config(cfg_path, ["tokenize.token_ids_from=vllm"]))
 
 

@@ -64,7 +64,7 @@ def test_server_command_on_cpu(tmp_path):
     assert cmd[cmd.index("--reasoning-parser") + 1] == "deepseek_r1"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
     assert cmd[-2:] == ["--seed", "1"]
-    if not server.on_gpu:  # the CPU quirks from DESIGN.md
+    if not server.on_gpu:  # docs/design.md#vllm-on-cpu-machines
         assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3" and "--enforce-eager" in cmd
         assert server._env()["VLLM_CPU_KVCACHE_SPACE"] == os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1"

@@ -177,12 +177,12 @@ def test_03_vocab_map_sigkill_anywhere_then_rerun_is_identical(tmp_path):
 
 # ============================================================================ 05 evaluate (fake vLLM)
 
-# Runs 05_evaluate.py with its vLLM servers swapped for tests/test_evaluate.py's FakeVllm (deterministic
+# Runs 05_evaluate.py with its vLLM servers swapped for tests/helpers.py's FakeVllm (deterministic
 # answers and spec-decode counters), each request slowed down so that kills land mid-run.
 FAKE_05 = r'''
 import contextlib, runpy, sys, time
 sys.path.insert(0, {tests!r})
-from test_evaluate import FakeVllm
+from helpers import FakeVllm
 from common import evaluate
 
 @contextlib.contextmanager

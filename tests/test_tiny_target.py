@@ -159,7 +159,7 @@ def test_other_families_load(tmp_path, family, arch):
         assert config["head_dim"] == 32 and "model.layers.0.self_attn.q_norm.weight" in names
     else:
         # MLA attention everywhere, a dense first layer, routed + shared experts after it.
-        assert config["first_k_dense_replace"] == 1 and config["n_routed_experts"] == 8 and config["kv_lora_rank"] == 32
+        assert config["first_k_dense_replace"] == 1 and config["n_routed_experts"] == 8 and config["kv_lora_rank"] == 512
         assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in names
         assert "model.layers.0.mlp.gate_proj.weight" in names
         assert any(n.startswith("model.layers.1.mlp.experts.") for n in names)

@@ -8,11 +8,8 @@ safetensors, run over structured token sequences by the real stage-02 code
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,133 +18,19 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-VOCAB = 256
-DRAFT_VOCAB = 128
-HIDDEN = 64
-AUX_IDS = [1, 2, 3]
+from tests.helpers import (AUX_IDS, DRAFT_VOCAB, HIDDEN, build_run, clone_run, read_metrics, train_cmd,
+                           train_env)
 
 
 # ---------------------------------------------------------------------------------------------
-# The fixture data set
+# The fixture data set (tests/helpers.py builds it)
 # ---------------------------------------------------------------------------------------------
-
-
-def make_target(out_dir: Path, seed: int = 0) -> Path:
-    """A tiny random Llama whose top-1 mostly follows the current token (a large embedding dominates
-    the residual stream) with a sharp lm_head: a draft can learn it in a few dozen steps (a
-    near-uniform random teacher would teach nothing)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, rms_norm_eps=1e-6)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(10.0)
-        model.lm_head.weight.mul_(40.0)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
-
-
-def structured_samples(n: int, seed: int, prefix: str) -> list[dict]:
-    """Arithmetic-progression token sequences: a short 'prompt' (loss_mask 0) then the 'answer'."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        length = int(rng.integers(20, 72))
-        start, step = int(rng.integers(0, VOCAB)), int(rng.integers(1, 6))
-        ids = [(start + step * t) % VOCAB for t in range(length)]
-        mask = [0] * 5 + [1] * (length - 5)
-        rows.append({"id": f"{prefix}-{i}", "input_ids": ids, "loss_mask": mask})
-    return rows
-
-
-def base_config(run_dir: Path, target: Path, **train) -> dict:
-    t = {"ttt_steps": 3, "max_steps": 40, "lr": 1e-2, "warmup_ratio": 0.05, "grad_clip": 1.0, "batch_max_tokens": 256,
-         "log_every": 1, "eval_every": 20, "checkpoint_every": 10, "keep_checkpoints": 2, "seed": 0,
-         "weight_decay": 0.01}
-    t.update(train)
-    return {
-        "run_dir": str(run_dir),
-        "target": {"model": str(target), "aux_layer_ids": AUX_IDS, "dtype": "float32"},
-        "tokenize": {"max_seq_len": 128},
-        "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": 1024, "shard_max_tokens": 1500},
-        "vocab": {"draft_vocab_size": DRAFT_VOCAB},
-        "train": t,
-    }
-
-
-def write_config(path: Path, cfg: dict) -> Path:
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def build_run(root: Path, n_train: int = 64, n_eval: int = 16) -> Path:
-    """root/target (the model) and root/run (data, hidden, vocab); returns the config path."""
-    from safetensors.torch import load_file, save_file
-
-    from common.config import load_config
-    from common.extract import run_extraction
-    from common.io import write_jsonl_atomic
-
-    target = make_target(root / "target")
-    run_dir = root / "run"
-    write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(n_train, 1, "tr"))
-    write_jsonl_atomic(run_dir / "data" / "eval.jsonl", structured_samples(n_eval, 2, "ev"))
-    cfg_path = write_config(root / "run.yaml", base_config(run_dir, target))
-    cfg = load_config(cfg_path)
-    run_extraction(cfg)
-    # Vocab map: the draft vocab = the target's most frequent top-1 tokens (sorted ids).
-    lm_head = load_file(str(target / "model.safetensors"))["lm_head.weight"].float()
-    counts = torch.zeros(VOCAB, dtype=torch.long)
-    for shard in sorted((run_dir / "hidden").glob("shard-*.safetensors")):
-        final = load_file(str(shard))["final_hidden"].float()
-        counts += torch.bincount((final @ lm_head.T).argmax(-1), minlength=VOCAB)
-    order = torch.argsort(-counts, stable=True)[:DRAFT_VOCAB]
-    ids = torch.sort(order).values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[ids] = True
-    d2t = ids - torch.arange(DRAFT_VOCAB)
-    (run_dir / "vocab").mkdir(parents=True, exist_ok=True)
-    save_file({"d2t": d2t.long(), "t2d": t2d}, str(run_dir / "vocab" / "vocab_map.safetensors"))
-    return cfg_path
 
 
 @pytest.fixture(scope="session")
 def train_fixture(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train-fixture")
     return build_run(root)
-
-
-def clone_run(fixture_cfg: Path, dest: Path, **train) -> Path:
-    """A copy of the fixture run (data/hidden/vocab only) with its own config."""
-    src = yaml.safe_load(fixture_cfg.read_text())
-    src_run = Path(src["run_dir"])
-    run_dir = dest / "run"
-    for sub in ("data", "hidden", "vocab"):
-        shutil.copytree(src_run / sub, run_dir / sub)
-    cfg = base_config(run_dir, Path(src["target"]["model"]), **train)
-    return write_config(dest / "run.yaml", cfg)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def stage_cmd(cfg_path: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg_path), *extra]
-
-
-def subprocess_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("WORLD_SIZE", None)
-    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,6 +164,15 @@ def test_training_learns_and_reports(train_fixture, tmp_path, one_torch_thread):
     assert report["tau"]["3"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
     assert report["tau"]["3"] == pytest.approx(expected_acceptance_length(acc, 3))
     assert acc[0] > 0.35 and report["tau"]["3"] > 1.5
+    # the replay of vLLM's rounds: every k, vLLM's counter formulas, rates falling with the position
+    replay = report["replay"]
+    assert sorted(replay) == ["1", "2", "3"]
+    for k, r in replay.items():
+        assert len(r["per_position"]) == int(k) and r["rounds"] > 0
+        assert r["acceptance_length"] == pytest.approx(1 + sum(r["accepted_per_pos"]) / r["rounds"])
+        assert r["per_position"] == pytest.approx([a / r["rounds"] for a in r["accepted_per_pos"]])
+        assert all(a >= b for a, b in zip(r["accepted_per_pos"], r["accepted_per_pos"][1:]))
+    assert 1.0 < replay["1"]["acceptance_length"] < replay["3"]["acceptance_length"] < 4.0
     assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["step_acc"][0] > evals[0]["step_acc"][0]
     # export + summary
     final = run_dir / "train" / "final"
@@ -324,13 +216,13 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     kw = dict(max_steps=steps, checkpoint_every=5, eval_every=12, log_every=2, batch_max_tokens=160, num_workers=2)
     ref_cfg = clone_run(train_fixture, tmp_path / "ref", **kw)
     cut_cfg = clone_run(train_fixture, tmp_path / "cut", **kw)
-    env = subprocess_env()
+    env = train_env()
 
-    ref = subprocess.run(stage_cmd(ref_cfg), env=env, capture_output=True, text=True, timeout=600)
+    ref = subprocess.run(train_cmd(ref_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
 
     cut_run = tmp_path / "cut" / "run"
-    proc = subprocess.Popen(stage_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # step 15: mid logging window (log_every=2), so the resumed run must also restore the window
         _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 15)
@@ -342,7 +234,7 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
     killed_at = max(int(p.name.split("-")[1]) for p in (cut_run / "train" / "checkpoints").glob("step-*"))
     assert killed_at < steps
 
-    resumed = subprocess.run(stage_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming from {cut_run / 'train' / 'checkpoints'}" in resumed.stdout
 
@@ -361,7 +253,7 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
         assert [r.get(key) for r in cut_rows] == [r.get(key) for r in ref_rows], key
 
     # a third run: already complete
-    again = subprocess.run(stage_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
@@ -371,7 +263,7 @@ def test_resume_after_sigkill_is_exact(train_fixture, tmp_path):
 
 
 def _run_expect_error(cfg_path: Path, *extra: str) -> str:
-    res = subprocess.run(stage_cmd(cfg_path, *extra), env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(train_cmd(cfg_path, *extra), env=train_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import build_run, clone_run, read_metrics, stage_cmd, subprocess_env  # noqa: E402
+from tests.helpers import build_run, clone_run, read_metrics, train_cmd, train_env
 
 STEPS = 6
 SETTINGS = dict(max_steps=STEPS, batch_max_tokens=160, log_every=1, eval_every=0, checkpoint_every=100, keep_checkpoints=1)
@@ -25,8 +24,8 @@ def fixture_cfg(tmp_path_factory) -> Path:
 
 def _torchrun(cfg_path: Path, nproc: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *stage_cmd(cfg_path)[1:]]
-    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+           *train_cmd(cfg_path)[1:]]
+    return subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=900)
 
 
 def _final_weights(run_dir: Path) -> dict:
@@ -58,7 +57,7 @@ def _assert_same_training(a_dir: Path, b_dir: Path) -> None:
 
 def test_ddp_and_fsdp_match_grad_accum(fixture_cfg, tmp_path):
     single = clone_run(fixture_cfg, tmp_path / "single", grad_accum=2, **SETTINGS)
-    res = subprocess.run(stage_cmd(single), env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(train_cmd(single), env=train_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "1 process(es) x grad_accum 2" in res.stdout
 

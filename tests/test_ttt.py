@@ -172,6 +172,12 @@ def test_accuracy_maps_draft_predictions_through_d2t():
     assert out.step_counts == [6, 5]
     assert out.step_correct == [2, 2]
     assert out.step_loss_counts == [4, 3]  # rows with top-1 3 dropped from the loss
+    assert out.step_hits is None
+    # per position (what common.acceptance replays): step i at index t is right when tops[t+1+i] == 5
+    out = ttt_loss(model, aux, ids, final, torch.ones(8, dtype=torch.uint8), pos, seq, lm_head, ttt_steps=2, decay=1.0,
+                   per_position=True)
+    assert out.step_hits.tolist() == [[False, False, True, True, False, False, False, False],
+                                      [False, True, True, False, False, False, False, False]]
 
 
 def test_chunking_and_checkpointing_do_not_change_loss_or_grads():

@@ -1,0 +1,149 @@
+"""The torchrun environment of stages 02 and 04: rank, world size, device, and the few collectives
+they use. A single process (no WORLD_SIZE) gets no process group at all, and every helper here is
+then a no-op, so the stages never branch on "am I distributed" around a collective.
+
+    env = init_distributed()            # 04: nccl on GPU, gloo on CPU
+    env = init_distributed("gloo", timeout=timedelta(days=7))   # 02: coordination only
+    try:
+        setup = broadcast_object(setup if env.is_main else None, env)
+        ...
+        barrier(env)
+    finally:
+        close_distributed(env)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")  # cuda:LOCAL_RANK when CUDA is available
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(backend: str = "auto", timeout: Optional[timedelta] = None) -> DistEnv:
+    """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun), pick this process's device and, with
+    more than one process, join the process group. backend "auto": nccl on GPU, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        dist.init_process_group(backend=backend, **kwargs)
+    return DistEnv(rank, world, local_rank, device)
+
+
+def close_distributed(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj, env: DistEnv):
+    """Rank 0's `obj` (any picklable object) on every rank."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """The elementwise sum of `t` over ranks, on t's device (nccl reduces on the GPU, gloo on CPU)."""
+    if not env.distributed:
+        return t
+    backend_device = env.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    reduced = t.to(backend_device, copy=True)  # never reduce the caller's tensor in place
+    dist.all_reduce(reduced)
+    return reduced.to(t.device)
+
+
+def wrap_parallel(draft: nn.Module, env: DistEnv, parallel: str, dtype: torch.dtype) -> nn.Module:
+    """04's draft, ready for data-parallel training: "ddp" replicates it and averages gradients;
+    "fsdp" (FSDP2) shards the trainable weights, gradients and optimizer state, one unit per
+    decoder layer plus the root (fc, norm, lm_head); the frozen target embedding stays replicated.
+    ttt_loss calls the wrapped module (`model(...)`), so the DDP/FSDP hooks see every forward."""
+    if not env.distributed:
+        return draft
+    if parallel == "fsdp":
+        # The decoder layers return k/v views; nothing modifies them in place (the 2-process FSDP
+        # test checks the gradients against one process), so this per-call warning is noise.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        frozen = {p for p in draft.parameters() if not p.requires_grad}  # the target embedding: replicated
+        for layer in draft.decoder_layers:
+            # each layer runs once per TTT step in a forward: keep it gathered until the backward
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(draft, mp_policy=mp, ignored_params=frozen)
+        return draft
+    return DDP(draft, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
+
+
+class NamedSums:
+    """Float64 sums kept under names (each a vector of a fixed size) and reduced over ranks as one
+    tensor: one collective per report, and one flat tensor (`flat`) to checkpoint.
+
+        window = NamedSums(loss=1, tokens=1, step_correct=K)
+        window.add(loss=0.7, tokens=512, step_correct=[12, 9, 7])
+        totals = window.all_reduced(env)   # {"loss": tensor([..]), "tokens": ..., "step_correct": ...}
+    """
+
+    def __init__(self, **sizes: int):
+        self.sizes = sizes
+        self.flat = torch.zeros(sum(sizes.values()), dtype=torch.float64)
+
+    def add(self, **values) -> None:
+        views = self._split(self.flat)
+        for name, value in values.items():
+            views[name] += torch.as_tensor(value, dtype=torch.float64)
+
+    def all_reduced(self, env: DistEnv) -> dict[str, torch.Tensor]:
+        """The sums over every rank, by name (a copy: this rank's sums are unchanged)."""
+        return self._split(all_reduce_sum(self.flat.clone(), env))
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        if flat.shape != self.flat.shape:
+            raise ValueError(f"expected {self.flat.numel()} sums ({self.sizes}), got {flat.numel()}")
+        self.flat = flat.to(torch.float64).clone()
+
+    def _split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.sizes, torch.split(flat, list(self.sizes.values()))))

@@ -1,0 +1,286 @@
+"""Scaffolding that several test modules share: tiny random targets, a small stage-04 run
+(data, hidden states, vocab map) built by the real stage-02 code, and fake OpenAI-compatible
+servers. Import it as `from tests.helpers import ...` (pytest.ini puts the repo root on the path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+VOCAB = 256  # every tiny random target here
+DRAFT_VOCAB = 128
+HIDDEN = 64
+AUX_IDS = [1, 2, 3]
+
+
+def write_yaml(path: Path, tree: dict) -> Path:
+    path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random targets (torch and transformers are imported inside: the fake servers below are
+# also used by subprocesses that should start fast)
+# ---------------------------------------------------------------------------------------------
+
+
+def build_target(path: Path, family: str = "llama", dtype=None, max_positions: int = 512, seed: int = 0) -> Path:
+    """A tiny random target of a family (llama, qwen3, deepseek_v3), bf16 unless `dtype` says otherwise."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=max_positions, initializer_range=0.1)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(num_key_value_heads=2, **common)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **common)
+    elif family == "deepseek_v3":  # MLA + MoE: layer 0 dense, layers 1-3 with 8 routed experts (2 per token)
+        cfg = transformers.DeepseekV3Config(
+            num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, **common)
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype or torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# A stage-04 run: target, tokenized data, hidden states (real stage-02 code), vocab map
+# ---------------------------------------------------------------------------------------------
+
+
+def make_target(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Llama whose top-1 mostly follows the current token (a large embedding dominates
+    the residual stream) with a sharp lm_head: a draft can learn it in a few dozen steps (a
+    near-uniform random teacher would teach nothing)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, rms_norm_eps=1e-6)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10.0)
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def structured_samples(n: int, seed: int, prefix: str) -> list[dict]:
+    """Arithmetic-progression token sequences: a short 'prompt' (loss_mask 0) then the 'answer'."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        length = int(rng.integers(20, 72))
+        start, step = int(rng.integers(0, VOCAB)), int(rng.integers(1, 6))
+        ids = [(start + step * t) % VOCAB for t in range(length)]
+        mask = [0] * 5 + [1] * (length - 5)
+        rows.append({"id": f"{prefix}-{i}", "input_ids": ids, "loss_mask": mask})
+    return rows
+
+
+def base_config(run_dir: Path, target: Path, **train) -> dict:
+    t = {"ttt_steps": 3, "max_steps": 40, "lr": 1e-2, "warmup_ratio": 0.05, "grad_clip": 1.0, "batch_max_tokens": 256,
+         "log_every": 1, "eval_every": 20, "checkpoint_every": 10, "keep_checkpoints": 2, "seed": 0,
+         "weight_decay": 0.01}
+    t.update(train)
+    return {
+        "run_dir": str(run_dir),
+        "target": {"model": str(target), "aux_layer_ids": AUX_IDS, "dtype": "float32"},
+        "tokenize": {"max_seq_len": 128},
+        "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": 1024, "shard_max_tokens": 1500},
+        "vocab": {"draft_vocab_size": DRAFT_VOCAB},
+        "train": t,
+    }
+
+
+def build_run(root: Path, n_train: int = 64, n_eval: int = 16) -> Path:
+    """root/target (the model) and root/run (data, hidden, vocab); returns the config path."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from common.config import load_config
+    from common.extract import run_extraction
+    from common.io import write_jsonl_atomic
+
+    target = make_target(root / "target")
+    run_dir = root / "run"
+    write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(n_train, 1, "tr"))
+    write_jsonl_atomic(run_dir / "data" / "eval.jsonl", structured_samples(n_eval, 2, "ev"))
+    cfg_path = write_yaml(root / "run.yaml", base_config(run_dir, target))
+    cfg = load_config(cfg_path)
+    run_extraction(cfg)
+    # Vocab map: the draft vocab = the target's most frequent top-1 tokens (sorted ids).
+    lm_head = load_file(str(target / "model.safetensors"))["lm_head.weight"].float()
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    for shard in sorted((run_dir / "hidden").glob("shard-*.safetensors")):
+        final = load_file(str(shard))["final_hidden"].float()
+        counts += torch.bincount((final @ lm_head.T).argmax(-1), minlength=VOCAB)
+    order = torch.argsort(-counts, stable=True)[:DRAFT_VOCAB]
+    ids = torch.sort(order).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    d2t = ids - torch.arange(DRAFT_VOCAB)
+    (run_dir / "vocab").mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": d2t.long(), "t2d": t2d}, str(run_dir / "vocab" / "vocab_map.safetensors"))
+    return cfg_path
+
+
+def clone_run(fixture_cfg: Path, dest: Path, **train) -> Path:
+    """A copy of the fixture run (data/hidden/vocab only) with its own config."""
+    src = yaml.safe_load(fixture_cfg.read_text())
+    src_run = Path(src["run_dir"])
+    run_dir = dest / "run"
+    for sub in ("data", "hidden", "vocab"):
+        shutil.copytree(src_run / sub, run_dir / sub)
+    cfg = base_config(run_dir, Path(src["target"]["model"]), **train)
+    return write_yaml(dest / "run.yaml", cfg)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_cmd(cfg_path: Path, *extra: str) -> list[str]:
+    """04_train.py on this config, in a subprocess."""
+    return [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg_path), *extra]
+
+
+def train_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake OpenAI-compatible servers
+# ---------------------------------------------------------------------------------------------
+
+
+class LocalHttpServer:
+    """An HTTP server on a free loopback port, serving from a thread inside a `with` block.
+    Subclasses answer every GET and POST in `handle`, with `reply`."""
+
+    def __init__(self):
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                outer.handle(self, "GET")
+
+            def do_POST(self):
+                outer.handle(self, "POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def reply(request: BaseHTTPRequestHandler, code: int, body, content_type: str = "application/json") -> None:
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        request.send_response(code)
+        request.send_header("Content-Type", content_type)
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RejectingServer(LocalHttpServer):
+    """Answers 401 to everything, like vLLM started with --api-key and given another key."""
+
+    def __init__(self):
+        self.auth: list[str] = []
+        super().__init__()
+
+    def handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        self.auth.append(request.headers.get("Authorization", ""))
+        self.reply(request, 401, {"error": {"message": "Unauthorized", "type": "invalid_request_error", "code": 401}})
+
+
+class FakeVllm(LocalHttpServer):
+    """An OpenAI-compatible chat server with vLLM-style spec-decode counters on /metrics.
+
+    Reply to a prompt = "answer to <user text>" (so runs are comparable). With a draft, every
+    request adds 10 drafts, 30 draft tokens and 5+3+1 = 9 accepted tokens; `diverge` names user
+    texts whose reply changes with the draft (to check that mismatches are reported).
+    """
+
+    def __init__(self, with_draft: bool, diverge: tuple[str, ...] = ()):
+        self.with_draft = with_draft
+        self.diverge = diverge
+        self.lock = threading.Lock()
+        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [0, 0, 0]}
+        self.requests = []
+        super().__init__()
+
+    def handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        if method == "GET":
+            if request.path == "/v1/models":
+                self.reply(request, 200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+            elif request.path == "/metrics":
+                self.reply(request, 200, self.metrics_text(), "text/plain")
+            else:
+                self.reply(request, 404, {"error": "not found"})
+            return
+        body = json.loads(request.rfile.read(int(request.headers["Content-Length"])))
+        user = body["messages"][-1]["content"]
+        text = f"answer to {user}"
+        if self.with_draft and user in self.diverge:
+            text += " (diverged)"
+        n_tokens = min(body["max_tokens"], len(text.split()) * 3)
+        with self.lock:
+            self.requests.append(body)
+            if self.with_draft:
+                c = self.counts
+                c["drafts"] += 10
+                c["draft_tokens"] += 30
+                c["accepted"] += 9
+                c["pos"] = [c["pos"][0] + 5, c["pos"][1] + 3, c["pos"][2] + 1]
+        self.reply(request, 200, {
+            "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": "tiny",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": n_tokens, "total_tokens": 7 + n_tokens},
+        })
+
+    def metrics_text(self) -> str:
+        if not self.with_draft:
+            return "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 0.0\n"
+        c, lab = self.counts, 'engine="0",model_name="tiny"'
+        lines = [f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(c['drafts'])}",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(c['draft_tokens'])}",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(c['accepted'])}"]
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {float(v)}' for i, v in enumerate(c["pos"])]
+        return "\n".join(lines) + "\n"
