@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -186,22 +185,42 @@ def baseline_pending(cfg) -> bool:
 # ----------------------------------------------------------------------------- the run
 
 
+def last_run(run_dir, stage: str):
+    from common.run_folder import Layout, read_manifest
+
+    return (read_manifest(Layout.of(run_dir), stage) or {}).get("last_run")
+
+
+STATUS_WORDS = {"already_complete": "already complete", "done": "done", "partial": "done, with failures left (rerun to retry them)"}
+
+
+def stage_status(run_dir, stage: str, before) -> str:
+    """What the stage did, as its manifest (common.run_folder) records it: "already complete" or "done"."""
+    after = last_run(run_dir, stage)
+    if not after or after == before:
+        return "done"  # the stage recorded nothing (it has no manifest)
+    return STATUS_WORDS.get(after.get("outcome"), after.get("outcome") or "done")
+
+
 def artifact_rows(cfg) -> list[tuple[str, Path]]:
-    r = cfg.run_path
+    from common.run_folder import Layout
+
+    r = Layout.of(cfg)
     return [
         ("target model", Path(cfg.target.model)),
-        ("prompts", r / "data" / "prompts.jsonl"),
-        ("generated responses", r / "data" / "raw_responses.jsonl"),
-        ("tokenized train / eval", r / "data" / "train.jsonl"),
-        ("", r / "data" / "eval.jsonl"),
-        ("hidden states index", r / "hidden" / "index.json"),
-        ("vocab map", r / "vocab" / "vocab_map.safetensors"),
-        ("training metrics", r / "train" / "metrics.jsonl"),
-        ("offline eval report", r / "train" / "eval_report.json"),
-        ("draft (vLLM-loadable)", r / "train" / "final"),
-        ("evaluation report", r / "eval" / "report.json"),
-        ("evaluation plot", r / "eval" / "report.png"),
-        ("logs", r / "logs"),
+        ("prompts", r.prompts),
+        ("generated responses", r.raw_responses),
+        ("tokenized train / eval", r.train_jsonl),
+        ("", r.eval_jsonl),
+        ("hidden states index", r.hidden_index),
+        ("vocab map", r.vocab_map),
+        ("training metrics", r.metrics),
+        ("offline eval report", r.train_eval_report),
+        ("draft (vLLM-loadable)", r.final),
+        ("evaluation report", r.eval_report),
+        ("evaluation plot", r.eval_plot),
+        ("stage manifests and locks", r.stages),
+        ("logs", r.logs),
     ]
 
 
@@ -251,13 +270,13 @@ class Pipeline:
         banner(f"[{name}] {script} {' '.join(extra)}".rstrip())
         log = self.logs / f"{name}.log"
         t0 = time.monotonic()
-        code, out = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log)
+        before = last_run(self.cfg.run_dir, name)
+        code, _ = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log)
         secs = time.monotonic() - t0
         if code != 0:
             self.timings.append((name, secs, f"FAILED (exit {code})"))
             raise StageFailed(name, code, log)
-        # Stages say "already complete" (04: "nothing to do") when they found their outputs.
-        status = "already complete" if re.search(r"already complete|nothing to do", out) else "done"
+        status = stage_status(self.cfg.run_dir, name, before)
         self.timings.append((name, secs, status))
         print(f"--- {name}: {status} in {secs:.1f}s (log: {log})", flush=True)
 

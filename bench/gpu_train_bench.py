@@ -97,6 +97,7 @@ def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_check
     """The draft as 04 builds it (fp32 master weights, frozen embedding, vocab map), the bf16 teacher
     lm_head, and 04's AdamW (two groups, foreach on GPU)."""
     from common.draft_model import DraftModelConfig, Eagle3DraftModel
+    from common.optim import build_optimizer
 
     H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
     cfg = DraftModelConfig(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
@@ -113,11 +114,8 @@ def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_check
     draft.gradient_checkpointing = gradient_checkpointing
     draft.attention_impl = attention
     lm_head = torch.randn(V, H, generator=gen, device=device, dtype=torch.bfloat16) * H ** -0.5
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.0},
-                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(0.9, 0.95), foreach=device.type == "cuda")
-    return draft, lm_head, optimizer, sum(p.numel() for p in params)
+    optimizer = build_optimizer(draft, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=device.type == "cuda")
+    return draft, lm_head, optimizer, sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
 
 def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:

@@ -119,6 +119,13 @@ class ExtractConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     min_free_disk_gb: Annotated[float, NonNegative] = 1.0  # head-room kept free on top of the estimate
     verify: Literal["sha256", "size"] = "sha256"  # how a rerun checks existing shards: sha256 (full read) | size (fast, huge runs)
+    # Who runs the target: vllm (its extract_hidden_states method: TP/EP, quantized MoE kernels, MLA),
+    # hf (transformers + hooks: the reference, and for targets vLLM cannot run); auto = vllm where installed.
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    tensor_parallel_size: Annotated[int, Positive] = 1  # vllm backend
+    data_parallel_size: Annotated[int, Positive] = 1  # vllm backend: engine copies, one process each (MoE targets)
+    enable_expert_parallel: bool = False  # vllm backend: experts split over the TP x DP GPUs instead of TP-sliced
+    gpu_memory_utilization: Optional[Annotated[float, Range(gt=0, le=1)]] = None  # vllm backend; null = 0.9 GPU, 0.3 CPU
 
 
 @dataclass

@@ -490,13 +490,18 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         if not base_url:
             raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
         todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
+        from common.run_folder import Layout, StageManifest
+
+        record = StageManifest(Layout.of(cfg), "05_baseline").record  # what run_pipeline reports
         if not todo:
             print(f"05_evaluate: baseline already complete ({paths.baseline}); use --overwrite to redo")
+            record("already_complete")
             return 0
         for name in todo:
             b = measure_baseline(cfg, base_url, sets[name], name)
             print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name])} prompts, {b['output_tokens']} "
                   f"tokens in {b['wall_s']:.1f}s ({b['tokens_per_s']:.1f} tok/s)")
+        record("done")
         return 0
 
     draft = Path(draft_dir) if draft_dir else cfg.run_path / "train" / "final"
@@ -508,14 +513,11 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
     if overwrite:
         for p in (paths.report, paths.plot, paths.outputs, paths.baseline, paths.outputs_other, paths.baseline_other):
             p.unlink(missing_ok=True)
-    elif paths.report.is_file():
-        try:
-            old = read_json(paths.report)
-        except DataError:
-            old = {}
-        if old.get("complete") and old.get("key") == key:
-            print(f"05_evaluate: already complete ({paths.report}): {format_summary(old)}; use --overwrite to redo")
-            return 0
+    manifest = stage_manifest(cfg, key)
+    if manifest.begin(overwrite, outputs=[paths.report]) == "complete":
+        manifest.record("already_complete")
+        print(f"05_evaluate: already complete ({paths.report}): {format_summary(read_json(paths.report))}; use --overwrite to redo")
+        return 0
 
     k = cfg.evaluate.num_speculative_tokens
     # 1) target + draft: each prompt set between its own pair of /metrics scrapes
@@ -571,5 +573,14 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         if o and o["greedy"] and o["identical"] != o["compared"]:
             print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
                   f"prompts) differ with and without the draft (see 'mismatch_examples' in {paths.report})", file=sys.stderr)
+    manifest.complete({"acceptance_length": report.get("acceptance_length")})
     print(f"05_evaluate: {format_summary(report)} -> {paths.report}")
     return 0
+
+
+def stage_manifest(cfg: Config, key: dict):
+    """05's record (common.run_folder): everything the measurement depends on (report_key). A
+    measurement is replaced whole, so any change means "measure again", not an error."""
+    from common.run_folder import Layout, StageManifest
+
+    return StageManifest(Layout.of(cfg), "05_evaluate", settings=key, redo_on=set(key))

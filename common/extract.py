@@ -10,24 +10,13 @@ Output under run_dir/hidden/ (docs/design.md#artifact-formats), one row per toke
     index.json   per shard: file, split, sample_ids (in shard order), num_tokens, sha256, bytes; "complete"
     plan.json    which samples go in which shard, fixed before the first forward pass
 
-Which tensors, and why
-- aux layer id k (vLLM convention) = the residual stream after k decoder layers = the INPUT of decoder
-  layer k = HF output_hidden_states[k] (k = 0 is the embedding output). We capture it with a forward
-  pre-hook on layers[k], which is the same tensor as the output of layer k-1 (or of the embedding when
-  k = 0) and also covers models that scale the embedding before the first layer. vLLM captures exactly
-  this (`llama.py` `_maybe_add_hidden_state(aux, idx + 1, ...)` after layer idx, `deepseek_v2.py` before
-  layer idx), and returns the states in layer order, so ids must be ascending (checked here).
-- final_hidden = output of the final norm = HF output_hidden_states[N] = what the target lm_head reads.
-  04 computes the teacher logits as lm_head(final_hidden) in chunks of positions, with the lm_head read
-  lazily from the target's safetensors (model_loading.load_target_tensors). Storing H_t values instead of
-  V logits per token is 23x smaller for Kimi-K2.5 (7168 vs 163840) and keeps the full-vocab teacher
-  (top-1 outside the draft vocab still masks the position). Storing the pre-norm state instead would make
-  04 also need the final norm weight and eps; the post-norm state is exactly the lm_head input, so 04
-  needs nothing but the lm_head.
-- We run the base model (the decoder stack, e.g. `model.model`), not the CausalLM, so no [T, V] logits
-  are computed, and we never ask for output_hidden_states (that would keep N+1 states of [B, T, H]
-  alive: 61 x 7168 per token for Kimi-K2.5). Hooks copy only the needed states, only at real (unpadded)
-  positions, to CPU in extract.dtype as soon as the layer has produced them.
+Which tensors, and why (docs/design.md#aux-layer-convention and #artifact-formats)
+- aux id k = the residual stream after k decoder layers = the input of decoder layer k, captured by a
+  forward pre-hook on layers[k] of the decoder stack (ids ascending: vLLM hands them over in layer order).
+- final_hidden = the final-norm output = exactly what the target lm_head reads; 04 applies the lm_head
+  in chunks (H_t values per token instead of V logits: 23x smaller for Kimi-K2.5).
+- Only the decoder stack runs (no [T, V] logits) and output_hidden_states is never asked for; hooks copy
+  the needed states at unpadded positions to CPU in extract.dtype as soon as a layer produces them.
 
 Batching and memory
 - Samples of one shard are sorted by length (longest first, ties by input order) and packed into
@@ -398,6 +387,32 @@ def forward_batch(stack, capture: HiddenStateCapture, samples: list[dict]) -> di
     return capture.take()
 
 
+class HfExtractor:
+    """The hf backend: the target in transformers, hooks on its decoder stack, right-padded batches."""
+
+    def __init__(self, cfg, info, env: DistEnv, out_dtype):
+        device = choose_device(cfg)
+        model, self.placement = load_target_model(cfg, device, env.local_rank, env.world_size)
+        self.stack = find_decoder_stack(model, info.num_layers)
+        self.capture = HiddenStateCapture(self.stack, info.aux_layer_ids, out_dtype)
+        self.batch_max_tokens = cfg.extract.batch_max_tokens
+
+    def extract(self, samples: list[dict], on_tokens: Callable[[int], Any]) -> list[dict]:
+        """The states of `samples` (shard order) as a list of batches, each {"aux", "final"} on CPU."""
+        lengths = [len(s["input_ids"]) for s in samples]
+        batches = []
+        for lo, hi in make_batches(lengths, self.batch_max_tokens):
+            batches.append(forward_batch(self.stack, self.capture, samples[lo:hi]))
+            on_tokens(sum(lengths[lo:hi]))
+        return batches
+
+    def idle_round(self) -> None:
+        pass  # hf ranks are independent: nothing to step together
+
+    def close(self) -> None:
+        self.capture.remove()
+
+
 def choose_device(cfg) -> str:
     import torch
 
@@ -733,6 +748,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
     env = init_distributed("gloo", timeout=datetime.timedelta(days=7))
     try:
+        _check_parallelism(cfg, info, env)
         setup: dict | str
         try:
             setup = prepare(cfg, info, hidden_dir, overwrite) if env.is_main else None
@@ -753,8 +769,13 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                 stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
             return {"status": "complete", **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 
-        mine = [f for f in setup["todo"] if int(f[len("shard-"):-len(".safetensors")]) % env.world_size == env.rank]
-        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], env, torch_dtype(cfg.extract.dtype))
+        def owner(f: str) -> int:
+            return int(f[len("shard-"):-len(".safetensors")]) % env.world_size
+
+        mine = [f for f in setup["todo"] if owner(f) == env.rank]
+        rounds = max(sum(owner(f) == r for f in setup["todo"]) for r in range(env.world_size))
+        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], env,
+                                  torch_dtype(cfg.extract.dtype), rounds)
         barrier(env)
         if env.is_main:
             entries = read_entries(hidden_dir)
@@ -776,15 +797,38 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
         close_distributed(env)
 
 
+def open_extractor(cfg, info, hidden_dir: Path, env: DistEnv, out_dtype):
+    """The backend that runs the target: HfExtractor, or VllmExtractor (common/extract_vllm.py)."""
+    from common.extract_vllm import VllmExtractor, resolve_backend
+
+    if resolve_backend(cfg) == "hf":
+        return HfExtractor(cfg, info, env, out_dtype)
+    return VllmExtractor(cfg, info, out_dtype, hidden_dir, dp_rank=env.rank, dp_size=env.world_size)
+
+
+def _check_parallelism(cfg, info, env: DistEnv) -> None:
+    from common.extract_vllm import check_vllm_target, resolve_backend
+
+    if resolve_backend(cfg) != "vllm":
+        return
+    check_vllm_target(cfg, info)
+    dp = cfg.extract.data_parallel_size
+    if env.world_size != dp:
+        raise ConfigError(
+            f"extract.data_parallel_size is {dp} but 02 runs as {env.world_size} process(es); the vllm backend runs one "
+            f"engine per process: start it with torchrun --nproc_per_node {dp} 02_extract_hidden.py ..." if dp > 1 else
+            f"02 runs under torchrun ({env.world_size} processes) with extract.backend vllm and extract.data_parallel_size 1; "
+            f"set --set extract.data_parallel_size={env.world_size}, or run one process (TP/EP come from extract.tensor_parallel_size)")
+
+
 def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
-                    env: DistEnv, out_dtype) -> dict:
-    device = choose_device(cfg)
-    model, placement = load_target_model(cfg, device, env.local_rank, env.world_size)
-    stack = find_decoder_stack(model, info.num_layers)
-    capture = HiddenStateCapture(stack, info.aux_layer_ids, out_dtype)
+                    env: DistEnv, out_dtype, rounds: int | None = None) -> dict:
+    """Extract this process's shards. rounds: how many shards the busiest rank has (vLLM data-parallel
+    engines step together, so a rank with fewer joins the remaining rounds with a dummy request)."""
+    extractor = open_extractor(cfg, info, hidden_dir, env, out_dtype)
+    placement = getattr(extractor, "placement", "vllm")
     paths = {split: Path(cfg.run_dir) / "data" / f"{split}.jsonl" for split in plan["inputs"]}
     shards = {s["file"]: s for s in plan["shards"]}
-    batch_max_tokens = cfg.extract.batch_max_tokens
     entries = dict(done)  # this process's view; rank 0 also sees the others' fragments when merging
     my_entries: dict[str, dict] = {}
     stats = {"tokens": 0, "bytes": 0}
@@ -809,6 +853,10 @@ def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine:
         stats["bytes"] += written["bytes"]
         bar.set_postfix_str(f"{format_bytes(stats['bytes'])} written", refresh=False)
 
+    def tick(n: int) -> None:
+        bar.update(n)
+        stats["tokens"] += n
+
     start = time.perf_counter()
     pending = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
@@ -816,20 +864,17 @@ def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine:
             for name in mine:
                 shard = shards[name]
                 samples = read_shard_samples(paths[shard["split"]], shard)
-                lengths = [len(s["input_ids"]) for s in samples]
-                batches = []
-                for lo, hi in make_batches(lengths, batch_max_tokens):
-                    batches.append(forward_batch(stack, capture, samples[lo:hi]))
-                    bar.update(sum(lengths[lo:hi]))
-                    stats["tokens"] += sum(lengths[lo:hi])
+                batches = extractor.extract(samples, tick)
                 if pending is not None:
                     pending.result()  # at most one shard waiting to be written: bounded memory
                 pending = writer.submit(finish, name, samples, batches)
+            for _ in range((rounds or 0) - len(mine)):
+                extractor.idle_round()
             if pending is not None:
                 pending.result()
         finally:
             bar.close()
-            capture.remove()
+            extractor.close()
     seconds = time.perf_counter() - start
     return {"status": "extracted", "tokens": stats["tokens"], "bytes": stats["bytes"], "seconds": seconds,
             "tokens_per_s": stats["tokens"] / max(seconds, 1e-9), "shards": len(mine)}

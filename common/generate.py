@@ -70,15 +70,9 @@ class Paths:
 
     @classmethod
     def of(cls, cfg: Config) -> "Paths":
-        data = cfg.run_path / "data"
-        return cls(
-            prompts=data / "prompts.jsonl",
-            raw=data / "raw_responses.jsonl",
-            failed=data / "failed.jsonl",
-            train=data / "train.jsonl",
-            eval=data / "eval.jsonl",
-            report=data / "generate_report.json",
-        )
+        r = Layout.of(cfg)
+        return cls(prompts=r.prompts, raw=r.raw_responses, failed=r.failed, train=r.train_jsonl, eval=r.eval_jsonl,
+                   report=r.generate_report)
 
     def outputs(self) -> list[Path]:
         return [self.raw, self.failed, self.train, self.eval, self.report]

@@ -181,6 +181,7 @@ def check_safetensors_readable(model_path: str) -> None:
 _TENSOR_SUFFIXES = {
     "embed": ["model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight"],
     "lm_head": ["lm_head.weight", "output.weight"],
+    "final_norm": ["model.norm.weight"],  # 02's vllm backend applies it to vLLM's pre-norm state id N
 }
 
 
@@ -210,6 +211,8 @@ def load_target_tensors(model_path: str, kinds=("embed", "lm_head")) -> dict:
     out: dict[str, torch.Tensor] = {}
     for kind in kinds:
         name = names[kind]
+        if name is None:
+            raise DataError(f"no {kind} tensor (*{_TENSOR_SUFFIXES[kind][0]}) found in the safetensors of {model_dir}")
         path = model_dir / key_to_file[name]
         if not path.is_file():
             raise DataError(f"weight shard {path} listed for {name} is missing; re-download the target")

@@ -30,11 +30,13 @@ import json
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from common.errors import ConfigError, DataError
 from common.io import atomic_write_json, read_json, write_jsonl_atomic
+from common.run_folder import Layout, StageManifest
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 DROP_REASONS = ("malformed_json", "invalid_utf8", "bad_fields", "no_user_turn", "empty", "duplicate", "over_max_samples")
@@ -262,101 +264,97 @@ def _source_id(row: dict) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 def output_paths(cfg) -> tuple[Path, Path]:
-    data_dir = cfg.run_path / "data"
-    return data_dir / "prompts.jsonl", data_dir / "prepare_report.json"
+    layout = Layout.of(cfg)
+    return layout.prompts, layout.prepare_report
 
 
-def fingerprint(cfg) -> tuple[str, dict]:
-    """What decides the output: the data config and the local source files' names and sizes."""
-    data = dataclasses.asdict(cfg.data)
+def stage_manifest(cfg) -> StageManifest:
+    """01's record (common.run_folder): the data config, and the local source files by content."""
     files = local_source_files(cfg.data.source)
-    inputs = [[str(p), p.stat().st_size] for p in files] if files is not None else None
-    blob = json.dumps({"data": data, "inputs": inputs}, sort_keys=True)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16], data
-
-
-def _check_existing(cfg, fp: str, data: dict) -> dict | None:
-    """The existing complete report if it matches; raises if it was made with another config."""
-    prompts_path, report_path = output_paths(cfg)
-    if not (report_path.is_file() and prompts_path.is_file()):
-        return None
-    try:
-        report = read_json(report_path)
-    except DataError:
-        return None  # unreadable report: the outputs are rebuilt
-    if not isinstance(report, dict) or not report.get("complete"):
-        return None
-    if report.get("fingerprint") == fp:
-        return report
-    old = report.get("config") or {}
-    changed = sorted(k for k in set(old) | set(data) if old.get(k) != data.get(k))
-    what = f"different data config ({', '.join('data.' + k for k in changed)})" if changed else "different source files"
-    raise ConfigError(f"{prompts_path} was made from a {what}; pass --overwrite to rebuild it (later stages must be rerun too)")
+    inputs = {f"source {p}": p for p in files} if files is not None else {}
+    settings = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()}
+    return StageManifest(Layout.of(cfg), "01_prepare_data", inputs=inputs, settings=settings)
 
 
 def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict:
     """Run stage 01. Returns the report; report["status"] is "done" or "already_complete"."""
+    prompts_path, report_path = output_paths(cfg)
+    manifest = stage_manifest(cfg)
+    if manifest.begin(overwrite, outputs=[prompts_path, report_path]) == "complete":
+        manifest.record("already_complete")
+        return {**read_json(report_path), "status": "already_complete"}
+    # Rebuilding: the old report goes first, so a crash below never leaves it next to a half-new state.
+    report_path.unlink(missing_ok=True)
+    t0 = time.time()
+    scan = scan_source(cfg.data, progress)
+    out_rows = assign_ids(scan, cfg.data)
+    if not out_rows:
+        raise no_usable_prompts(cfg.data, scan)
+    write_jsonl_atomic(prompts_path, out_rows)
+    report = make_report(cfg.data, scan, out_rows, time.time() - t0)
+    atomic_write_json(report_path, report)
+    manifest.complete({k: report["counts"][k] for k in ("kept", "train", "eval")})  # last: the stage is done
+    return {**report, "status": "done"}
+
+
+@dataclass
+class SourceScan:
+    """What reading the source found: the kept prompts in source order (after dedupe) and the drops."""
+
+    kept: list[dict] = dataclasses.field(default_factory=list)  # {"messages", "source_id", "hash"}
+    n_read: int = 0
+    dropped: Counter = dataclasses.field(default_factory=Counter)
+    examples: list[dict] = dataclasses.field(default_factory=list)
+    source_ids: Counter = dataclasses.field(default_factory=Counter)  # over the whole source
+
+    def skip(self, where: str, reason: str, detail: str) -> None:
+        self.dropped[reason] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append({"where": where, "reason": reason, "detail": detail[:200]})
+
+
+def scan_source(d, progress: bool) -> SourceScan:
+    """Read every row, keep its prompt (system + user turns) or count why not."""
     from tqdm import tqdm
 
-    prompts_path, report_path = output_paths(cfg)
-    fp, data = fingerprint(cfg)
-    if not overwrite:
-        existing = _check_existing(cfg, fp, data)
-        if existing is not None:
-            return {**existing, "status": "already_complete"}
-
-    # Rebuilding: the old report goes first, so a crash below can never leave a "complete"
-    # report next to a half-new state; temp files of a killed run are cleared.
-    report_path.unlink(missing_ok=True)
-    for stale in list(prompts_path.parent.glob(f".tmp-{prompts_path.name}.*")) + list(report_path.parent.glob(f".tmp-{report_path.name}.*")):
-        stale.unlink(missing_ok=True)
-    t0 = time.time()
-    d = cfg.data
-    dropped: Counter = Counter()
-    examples: list[dict] = []
-    kept_rows: list[dict] = []  # {"messages", "source_id"} in source order, after dedupe
+    scan = SourceScan()
     seen_hashes: set[str] = set()
-    source_ids: Counter = Counter()
-    n_read = 0
-
-    def skip(where: str, reason: str, detail: str) -> None:
-        dropped[reason] += 1
-        if len(examples) < MAX_EXAMPLES:
-            examples.append({"where": where, "reason": reason, "detail": detail[:200]})
-
     for where, row, reason, detail in tqdm(iter_source(d), desc="01 read", unit=" rows", disable=not progress, mininterval=1.0):
-        n_read += 1
+        scan.n_read += 1
         if reason is not None:
-            skip(where, reason, detail)
+            scan.skip(where, reason, detail)
             continue
         try:
             messages = row_messages(row)
         except BadFields as e:
-            skip(where, "bad_fields", str(e))
+            scan.skip(where, "bad_fields", str(e))
             continue
         kept, reason = keep_prompt(messages, d.system_prompt, d.max_user_turns)
         if reason is not None:
-            skip(where, reason, "")
+            scan.skip(where, reason, "")
             continue
         sid = _source_id(row)
         if sid is not None:
-            source_ids[sid] += 1  # counted over the whole source, so ids do not move with max_samples
+            scan.source_ids[sid] += 1  # counted over the whole source, so ids do not move with max_samples
         h = content_hash(kept)
         if d.dedupe and h in seen_hashes:
-            skip(where, "duplicate", "")
+            scan.skip(where, "duplicate", "")
             continue
         seen_hashes.add(h)
-        kept_rows.append({"messages": kept, "source_id": sid, "hash": h})
+        scan.kept.append({"messages": kept, "source_id": sid, "hash": h})
+    if d.max_samples is not None and len(scan.kept) > d.max_samples:
+        scan.dropped["over_max_samples"] += len(scan.kept) - d.max_samples
+        scan.kept = scan.kept[: d.max_samples]
+    return scan
 
-    if d.max_samples is not None and len(kept_rows) > d.max_samples:
-        dropped["over_max_samples"] += len(kept_rows) - d.max_samples
-        kept_rows = kept_rows[: d.max_samples]
 
+def assign_ids(scan: SourceScan, d) -> list[dict]:
+    """Output rows: a stable id (the source's when unique, else a content hash) and a split."""
     out_rows = []
     used_ids: Counter = Counter()
-    for r in kept_rows:
+    for r in scan.kept:
         sid = r["source_id"]
-        if sid is not None and source_ids[sid] == 1:
+        if sid is not None and scan.source_ids[sid] == 1:
             sample_id = f"src-{sid}"
         else:
             sample_id = r["hash"][:16]
@@ -364,32 +362,32 @@ def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict
             if used_ids[sample_id] > 1:  # identical prompts kept (dedupe off): still unique ids
                 sample_id = f"{sample_id}-{used_ids[sample_id]}"
         out_rows.append({"id": sample_id, "messages": r["messages"], "split": split_of(sample_id, d.seed, d.eval_fraction)})
+    return out_rows
 
-    if not out_rows:
-        reasons = ", ".join(f"{k} {v}" for k, v in dropped.most_common()) or "the source is empty"
-        first = f"; first skipped: {examples[0]['where']} ({examples[0]['reason']})" if examples else ""
-        raise DataError(f"no usable prompts in {d.source} ({n_read} rows read; dropped: {reasons}){first}; "
-                        f"rows need a 'conversations' (ShareGPT) or 'messages' (OpenAI) list with a user turn")
 
-    write_jsonl_atomic(prompts_path, out_rows)
+def no_usable_prompts(d, scan: SourceScan) -> DataError:
+    reasons = ", ".join(f"{k} {v}" for k, v in scan.dropped.most_common()) or "the source is empty"
+    first = f"; first skipped: {scan.examples[0]['where']} ({scan.examples[0]['reason']})" if scan.examples else ""
+    return DataError(f"no usable prompts in {d.source} ({scan.n_read} rows read; dropped: {reasons}){first}; "
+                     f"rows need a 'conversations' (ShareGPT) or 'messages' (OpenAI) list with a user turn")
+
+
+def make_report(d, scan: SourceScan, out_rows: list[dict], seconds: float) -> dict:
     n_eval = sum(1 for r in out_rows if r["split"] == "eval")
-    report = {
+    return {
         "complete": True,
-        "fingerprint": fp,
-        "config": data,
+        "config": dataclasses.asdict(d),
         "source": d.source,
         "counts": {
-            "read": n_read,
+            "read": scan.n_read,
             "kept": len(out_rows),
             "train": len(out_rows) - n_eval,
             "eval": n_eval,
-            "dropped": {reason: dropped.get(reason, 0) for reason in DROP_REASONS},
+            "dropped": {reason: scan.dropped.get(reason, 0) for reason in DROP_REASONS},
         },
-        "skipped_examples": examples,
-        "seconds": round(time.time() - t0, 3),
+        "skipped_examples": scan.examples,
+        "seconds": round(seconds, 3),
     }
-    atomic_write_json(report_path, report)  # written last: its "complete" marks the stage done
-    return {**report, "status": "done"}
 
 
 def summary_line(report: dict, prompts_path: Path) -> str:

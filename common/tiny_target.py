@@ -9,8 +9,8 @@ with a real vLLM (CPU build), so it has the files a real chat model has:
 - config.json + model.safetensors (float32) + generation_config.json (eos = <|im_end|>, <|endoftext|>).
 
 Families: "llama" (LlamaForCausalLM, 4 layers, hidden 128), "qwen3" (Qwen3ForCausalLM, same size,
-head_dim 32) and "deepseek_v3" (DeepseekV3ForCausalLM, tiny MLA + MoE; random init by default,
-used for extraction tests only).
+head_dim 32) and "deepseek_v3" (DeepseekV3ForCausalLM, tiny MLA + MoE shaped like Kimi-K2.5 / DeepSeek-V3:
+the Kimi-shaped proxy of the end-to-end test).
 
 Why train: a randomly initialised target has near-uniform logits and a draft head learns nothing
 that generalises from it (docs/design.md#the-tiny-target). So llama and qwen3 are trained briefly (plain AdamW, CPU) on
@@ -26,7 +26,8 @@ Cost, measured on the 2-core dev machine: the default llama (or qwen3) build tra
 plus about 5 s for corpus and tokenizer, and ends at a training loss of 0.24 (from 7.70). On an
 idle 2-core machine it trains with 2 threads, which should take about 3 min; that was not measured
 because the dev machine was never idle. On a busy machine it uses 1 thread (see training_threads).
-deepseek_v3 (untrained) builds in about 3 s. `ensure_tiny_target` builds once into
+deepseek_v3 trains DEEPSEEK_STEPS (300) steps: its MoE layers cost about 1.3 s/step on a busy core, so
+about 6.5 min (untrained, --no-train: about 3 s). `ensure_tiny_target` builds once into
 ${EAGLE3_CACHE:-~/.cache/eagle3-pipeline}/tiny-targets/<family>-<hash>/ and reuses it; the hash
 covers this file, so editing it triggers one rebuild.
 
@@ -58,6 +59,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 # Training defaults of the embedded target (the cache key includes them).
 DEFAULT_STEPS = 1000
+DEEPSEEK_STEPS = 300  # enough for structured answers; its MoE makes a step ~2.5x a llama step
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEQ_LEN = 256
 DEFAULT_LR = 3e-3
@@ -464,6 +466,10 @@ def model_config(family: str, vocab_size: int, pad_id: int, eos_id: int):
     return cfg
 
 
+def default_steps(family: str) -> int:
+    return DEEPSEEK_STEPS if family == "deepseek_v3" else DEFAULT_STEPS
+
+
 def _token_stream(tokenizer, conversations: list[list[dict]]) -> list[int]:
     """All conversations rendered with the chat template, separated by <|endoftext|>."""
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -541,16 +547,16 @@ def build_tiny_target(out_dir: str | os.PathLike, family: str = "llama", train: 
                       progress: bool = True) -> dict:
     """Build a tiny target into `out_dir` (created; existing files are overwritten). Returns build info.
 
-    train: None = train llama and qwen3, keep deepseek_v3 randomly initialised.
-    steps: training steps (None = DEFAULT_STEPS). Deterministic for a given (family, steps, seed).
+    train: None = train (every family).
+    steps: training steps (None = default_steps(family)). Deterministic for a given (family, steps, seed).
     """
     import torch
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny target family '{family}'; choose one of {', '.join(FAMILIES)}")
-    train = (family != "deepseek_v3") if train is None else train
-    steps = DEFAULT_STEPS if steps is None else steps
+    train = True if train is None else train
+    steps = default_steps(family) if steps is None else steps
     t0 = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -602,8 +608,8 @@ def build_key(family: str, train: bool | None = None, steps: int | None = None, 
     import torch
     import transformers
 
-    train = (family != "deepseek_v3") if train is None else train
-    steps = DEFAULT_STEPS if steps is None else steps
+    train = True if train is None else train
+    steps = default_steps(family) if steps is None else steps
     h = hashlib.sha256(Path(__file__).read_bytes())
     params = {"family": family, "train": train, "steps": steps if train else 0, "seed": seed,
               "versions": [torch.__version__, transformers.__version__, tokenizers.__version__]}
@@ -665,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="build into this directory (always builds)")
     parser.add_argument("--print-path", action="store_true", help="build into the cache if needed and print its path")
     parser.add_argument("--cache-root", help="cache base directory (default: $EAGLE3_CACHE or ~/.cache/eagle3-pipeline)")
-    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS}, deepseek_v3 {DEEPSEEK_STEPS})")
     parser.add_argument("--no-train", action="store_true", help="keep the random initialisation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

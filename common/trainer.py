@@ -36,13 +36,11 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
-import os
 import random
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -50,40 +48,35 @@ from torch import nn
 from tqdm import tqdm
 
 from common.acceptance import ReplayTotals, describe as describe_acceptance
+from common.checkpoint import load_latest, save_checkpoint
+from common.distributed import (DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, close_distributed,
+                                init_distributed, wrap_parallel)
 from common.draft_model import ATTENTION_IMPLS, Eagle3DraftModel, build_draft_config
-from common.distributed import (DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, close_distributed, init_distributed,
-                                wrap_parallel)
-from common.checkpoint import full_model_state, load_latest, save_checkpoint, writing
-from common.run_folder import Layout, StageManifest
 from common.errors import ConfigError, DataError, PipelineError
-from common.export import export_vllm_draft
+from common.export import export_final
+from common.io import JsonlAppender, atomic_write_json, iter_jsonl, read_json, write_jsonl_atomic
 from common.model_loading import load_target_info, load_target_tensors
-from common.io import JsonlAppender, atomic_write_json, fsync_dir, iter_jsonl, read_json, write_jsonl_atomic
-from common.train_data import DataPosition, HiddenIndex, TrainData, eval_micro_batches, verify_shard_files
+from common.optim import build_optimizer, lr_at, set_lr
+from common.run_folder import Layout, StageManifest
 from common.tensorboard import TensorBoard
+from common.train_data import DataPosition, HiddenIndex, TrainData, eval_micro_batches, verify_shard_files
 from common.ttt import ttt_loss
 from common.vocab_map import MAP_NAME, load_vocab_map
 
 
 # ---------------------------------------------------------------------------------------
-# Precision and learning-rate schedule
+# Precision
 
 
-def resolve_precision(cfg, device: torch.device) -> torch.dtype:
+def resolve_precision(cfg, device: torch.device) -> tuple[torch.dtype, Callable[[], ContextManager]]:
+    """The compute dtype and its autocast context: train.precision "auto" = bf16 autocast on GPU,
+    fp32 on CPU (the weights themselves stay fp32)."""
     p = cfg.train.precision
     if p == "auto":
         p = "bf16" if device.type == "cuda" else "fp32"
-    return torch.bfloat16 if p == "bf16" else torch.float32
-
-
-def lr_at(step: int, total: int, cfg) -> float:
-    """Linear warmup over warmup_ratio * total steps, then cosine from lr down to min_lr."""
-    t = cfg.train
-    warmup = int(math.ceil(t.warmup_ratio * total))
-    if step < warmup:
-        return t.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+    if p != "bf16":
+        return torch.float32, contextlib.nullcontext
+    return torch.bfloat16, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def expected_acceptance_length(step_acc: list[float], k: int) -> float:
@@ -194,9 +187,8 @@ class Trainer:
 
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env, self.t = cfg, env, cfg.train
-        self.train_dir = Path(cfg.run_dir) / "train"
-        self.ckpt_dir = self.train_dir / "checkpoints"
-        self.metrics_path = self.train_dir / "metrics.jsonl"
+        layout = Layout.of(cfg)
+        self.train_dir, self.ckpt_dir, self.metrics_path = layout.train, layout.checkpoints, layout.metrics
 
         # Inputs, validated before anything is written.
         run_dir = Path(cfg.run_dir)
@@ -216,7 +208,7 @@ class Trainer:
         self.d2t, self.t2d = load_vocab_map(run_dir / "vocab" / MAP_NAME, self.info.vocab_size, cfg.vocab.draft_vocab_size)
         self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
 
-        self.dtype = resolve_precision(cfg, env.device)
+        self.dtype, self.autocast = resolve_precision(cfg, env.device)
         self.on_gpu = env.device.type == "cuda"
         t = self.t
         self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank,
@@ -233,12 +225,6 @@ class Trainer:
         self.K = t.ttt_steps
         # printed: the served k (05's) and all steps; eval_report.json has every k = 1..ttt_steps
         self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
-        if self.on_gpu and self.dtype == torch.bfloat16:
-            self.autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-        elif self.dtype == torch.bfloat16:
-            self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-        else:
-            self.autocast = contextlib.nullcontext
 
     def say(self, *args) -> None:
         if self.env.is_main:
@@ -274,14 +260,9 @@ class Trainer:
         self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
         self.is_fsdp = env.distributed and t.parallel == "fsdp"
 
-        trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in trainable]
+        self.params = [p for p in draft.parameters() if p.requires_grad]
         self.n_params = sum(p.numel() for p in self.params)
-        groups = [
-            {"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": t.weight_decay},
-            {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0},  # norms: no decay
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), foreach=self.on_gpu)
+        self.optimizer = build_optimizer(draft, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu)
 
     def init_state(self) -> None:
         """Fresh counters, or the latest complete checkpoint's."""
@@ -411,8 +392,7 @@ class Trainer:
         t, env, K = self.t, self.env, self.K
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, self.cfg)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        set_lr(self.optimizer, lr)
         mine, next_pos = self.data.step_micro_batches(self.pos)
         self.tokens_seen += self.data.step_tokens(self.pos)
         # Each micro-batch loss is a sum over its positions divided by the step-0 position count of
@@ -513,27 +493,3 @@ class Trainer:
             self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "
                      f"({self.tokens_seen / max(1e-9, elapsed):.0f} tok/s), final loss {self.last_train_loss:.4f}; {tau_txt}; "
                      f"draft in {self.train_dir / 'final'}")
-
-
-def export_final(cfg, env: DistEnv, draft, draft_cfg, index: HiddenIndex, train_dir: Path, summary: dict) -> None:
-    """train/final/: the vLLM-loadable draft + training_summary.json, written by rank 0, atomically."""
-    full = full_model_state(draft) if (env.distributed and cfg.train.parallel == "fsdp") else None  # collective
-    tmp, final = train_dir / ".tmp-final", train_dir / "final"
-    with writing(f"the final draft {final}", tmp, train_dir):
-        _export_on_main(env, draft, draft_cfg, index, summary, full, tmp, final)
-    barrier(env)
-
-
-def _export_on_main(env, draft, draft_cfg, index, summary, full, tmp: Path, final: Path) -> None:
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        to_export = draft
-        if full is not None:  # FSDP: an unsharded copy on CPU
-            to_export = Eagle3DraftModel(draft_cfg)
-            to_export.load_state_dict(full, strict=False)
-        export_vllm_draft(to_export, tmp, extra_config={"eagle_aux_hidden_state_layer_ids": list(index.aux_layer_ids)})
-        atomic_write_json(tmp / "training_summary.json", summary)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)

@@ -25,7 +25,8 @@ import numpy as np
 
 from common.tokenization import check_token_range, parse_tokenized_line
 from common.errors import DataError
-from common.io import atomic_path, atomic_write_json, bytes_bar, file_sha256, read_json
+from common.io import atomic_path, atomic_write_json, bytes_bar, read_json
+from common.run_folder import Layout, StageManifest
 
 log = logging.getLogger("vocab_map")
 
@@ -116,12 +117,11 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
 
     from common.model_loading import load_target_info
 
-    run_dir = Path(cfg.run_dir)
-    train = run_dir / "data" / "train.jsonl"
+    layout = Layout.of(cfg)
+    train = layout.train_jsonl
     if not train.is_file():
         raise DataError(f"{train} not found; run 01b_generate_synthetic.py first (it writes data/train.jsonl)")
-    out_dir = run_dir / "vocab"
-    map_path, report_path = out_dir / MAP_NAME, out_dir / REPORT_NAME
+    out_dir, map_path, report_path = layout.vocab, layout.vocab_map, layout.vocab_report
     info = load_target_info(cfg)
     vocab_size = info.vocab_size
     requested = cfg.vocab.draft_vocab_size
@@ -129,15 +129,11 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
     if overwrite:
         map_path.unlink(missing_ok=True)
         report_path.unlink(missing_ok=True)
-    elif report_path.is_file() and map_path.is_file():  # the report is written last: both = complete
+    manifest = StageManifest(layout, "03_build_vocab_map", inputs={"data/train.jsonl": train},
+                             settings={"vocab.draft_vocab_size": requested, "target_vocab_size": vocab_size})
+    if manifest.begin(overwrite, outputs=[map_path, report_path]) == "complete":
         report = read_json(report_path)
-        same = (report.get("train_sha256") == file_sha256(train) and report.get("requested_draft_vocab_size") == requested
-                and report.get("target_vocab_size") == vocab_size)
-        if not same:
-            raise DataError(
-                f"{out_dir} was built from other inputs or settings (data/train.jsonl, vocab.draft_vocab_size or the "
-                f"target vocab changed); rerun 03_build_vocab_map.py with --overwrite"
-            )
+        manifest.record("already_complete")
         print(f"03_build_vocab_map: already complete ({report['draft_vocab_size']} draft ids, coverage "
               f"{report['coverage']:.4f}) in {out_dir}; use --overwrite to redo")
         return report
@@ -170,6 +166,7 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
     with atomic_path(map_path) as tmp:
         save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
     atomic_write_json(report_path, report)
+    manifest.complete({"draft_vocab_size": int(draft_vocab_size), "coverage": report["coverage"]})
     print(f"03_build_vocab_map: {draft_vocab_size} draft ids of {vocab_size} from {total:,} loss-masked tokens in "
           f"{num_samples} samples ({distinct} distinct, {padded} padded); coverage {report['coverage']:.4f} -> {out_dir}")
     return report

@@ -56,6 +56,7 @@ class Faults:
     p_empty_choices: float = 0.0  # 200 with "choices": []
     max_faults_per_request: Optional[int] = None  # afterwards a request always succeeds
     latency_s: float = 0.0  # fixed latency added to every chat completion
+    chat_status: Optional[int] = None  # answer every chat completion with this error status (401: a rejected key)
 
 
 @dataclass
@@ -296,6 +297,10 @@ class FaultServer:
                 return await self._json(writer, 503, {"error": {"message": "overloaded (always)", "code": 503}})
             if not isinstance(req.get("model"), str) or not isinstance(req.get("max_tokens"), int):
                 return await self._json(writer, 400, {"error": {"message": "model and max_tokens are required", "code": 400}})
+            if self.faults.chat_status is not None:
+                s.faults[str(self.faults.chat_status)] += 1
+                return await self._json(writer, self.faults.chat_status,
+                                        {"error": {"message": f"injected {self.faults.chat_status}", "code": self.faults.chat_status}})
             kind, delay = self._draw(conversation_key(messages))
             if delay or self.faults.latency_s:
                 await asyncio.sleep(delay + self.faults.latency_s)

@@ -19,8 +19,8 @@ from common import evaluate
 from common.config import config_from_dict
 from common.errors import DataError, PipelineError
 from common.plots import plot_report, training_curves
-from common.vllm_server import metrics_delta, parse_prometheus, spec_decode_metrics
-from tests.helpers import FakeVllm
+from common.vllm_server import metrics_delta, parse_prometheus, scrape_metrics, spec_decode_metrics
+from tests.helpers import FakeVllm, LocalHttpServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +71,16 @@ def test_parse_recorded_metrics_sums_engines_and_reads_positions():
     assert m["num_accepted_tokens"] == 180.0
     assert m["num_accepted_tokens_per_pos"] == {0: 96.0, 1: 60.0, 2: 24.0}
     assert m["acceptance_length"] == pytest.approx(1.0 + 180 / 120)
+
+
+def test_a_metrics_page_that_is_not_prometheus_text_is_a_clear_error():
+    class HtmlServer(LocalHttpServer):  # e.g. a proxy's error page where vLLM should be
+        def handle(self, request, method):
+            self.reply(request, 200, "<html>502 Bad Gateway</html>\n", "text/html")
+
+    with HtmlServer() as server:
+        with pytest.raises(PipelineError, match=r"/metrics is not in the Prometheus text format"):
+            scrape_metrics(server.base_url)
 
 
 def test_counter_delta_and_acceptance_math_hand_checked():

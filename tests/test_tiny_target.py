@@ -167,11 +167,11 @@ def test_other_families_load(tmp_path, family, arch):
 
 
 def test_ensure_builds_once_and_reuses(tmp_path):
-    path = ensure_tiny_target("deepseek_v3", cache_root=tmp_path, progress=False)
+    path = ensure_tiny_target("deepseek_v3", cache_root=tmp_path, train=False, progress=False)
     assert path.parent == tmp_path / "tiny-targets"
-    assert path.name == build_key("deepseek_v3") and path.name.startswith("deepseek_v3-")
+    assert path.name == build_key("deepseek_v3", train=False) and path.name.startswith("deepseek_v3-")
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_tiny_target("deepseek_v3", cache_root=tmp_path, progress=False) == path
+    assert ensure_tiny_target("deepseek_v3", cache_root=tmp_path, train=False, progress=False) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert build_key("llama") != build_key("llama", steps=5) != build_key("qwen3", steps=5)
 

@@ -52,7 +52,7 @@ def test_expected_acceptance_length_formula():
 
 def test_lr_schedule_warmup_then_cosine():
     from common.config import config_from_dict
-    from common.trainer import lr_at
+    from common.optim import lr_at
 
     cfg = config_from_dict({"train": {"lr": 1e-3, "min_lr": 1e-4, "warmup_ratio": 0.1}})
     lrs = [lr_at(s, 100, cfg) for s in range(100)]
@@ -293,3 +293,25 @@ def test_bad_inputs_give_one_line_errors(train_fixture, tmp_path):
     msg = _run_expect_error(cfg_path)
     assert shard.name in msg and "missing" in msg and "02_extract_hidden.py" in msg
     assert not (run_dir / "train" / "checkpoints").exists()
+
+
+def test_lm_head_starts_from_the_target_rows_of_the_draft_vocab(train_fixture, tmp_path, one_torch_thread):
+    """train.init_lm_head=target: the draft's lm_head row i is the target's lm_head row of target id
+    i + d2t[i] (after one step at a negligible learning rate); the default is a random init."""
+    from safetensors.torch import load_file
+
+    from common.config import load_config
+    from common.model_loading import load_target_tensors
+    from common.trainer import run_training
+
+    heads = {}
+    for init in ("target", "random"):
+        cfg = load_config(clone_run(train_fixture, tmp_path / init, max_steps=1, lr=1e-12, eval_every=0,
+                                    init_lm_head=init))
+        assert run_training(cfg) == 0
+        heads[init] = load_file(str(Path(cfg.run_dir) / "train" / "final" / "model.safetensors"))["lm_head.weight"].float()
+    vmap = load_file(str(Path(cfg.run_dir) / "vocab" / "vocab_map.safetensors"))
+    target_ids = torch.arange(vmap["d2t"].numel()) + vmap["d2t"]
+    want = load_target_tensors(cfg.target.model)["lm_head"].float()[target_ids]
+    torch.testing.assert_close(heads["target"], want, rtol=1e-2, atol=1e-3)  # the export is bfloat16
+    assert not torch.allclose(heads["random"], want, rtol=1e-2, atol=1e-3)
