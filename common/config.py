@@ -187,6 +187,8 @@ class EvaluateConfig:
     concurrency: Annotated[int, Positive] = 16
     # a second prompt set of another kind than the training data (never a data.source): 05 measures it too
     other_prompts: Optional[str] = None
+    # also replay vLLM's rounds over the exact outputs vLLM served (loads the target in transformers: for small targets)
+    replay_served: bool = False
 
 
 @dataclass

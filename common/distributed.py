@@ -10,6 +10,9 @@ then a no-op, so the stages never branch on "am I distributed" around a collecti
         barrier(env)
     finally:
         close_distributed(env)
+
+Also here: `wrap_parallel` (04's DDP / FSDP2 wrapping of the draft) and `NamedSums` (named
+counters that cross ranks in one all_reduce and checkpoint as one tensor).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ headline numbers) and, when evaluate.other_prompts is set, prompts of another ki
 training data (report["other_prompts"]): how well the draft generalises.
 
 The offline prediction (report["offline"]) is 04's replay of vLLM's rounds over the eval split
-(common.acceptance), with its relative error against the measured acceptance length.
+(common.acceptance), with its relative error against the measured acceptance length. With
+evaluate.replay_served, report["replay_on_served"] replays the rounds over the exact token ids vLLM
+served for the held-out prompts: the same text on both sides, so it checks the replay itself.
 
 The target-alone run ("baseline") is cached in eval/baseline.json (eval/baseline-other.json) under
 a key of everything it depends on, so run_pipeline.py can take it on the generation server it
@@ -195,6 +197,7 @@ def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str
         "draft_sha256": draft_sha,
         "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
         "other_prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in other]) if other else None,
+        "replay_served": cfg.evaluate.replay_served,
     }
 
 
@@ -221,6 +224,8 @@ def _chat(cfg: Config, client, model: str, messages: list[dict], max_tokens: int
     extra_body = {}
     if cfg.generate.enable_thinking is not None:
         extra_body["chat_template_kwargs"] = {"enable_thinking": cfg.generate.enable_thinking}
+    if cfg.evaluate.replay_served:
+        extra_body["return_token_ids"] = True  # the exact ids the replay on the served outputs needs
     t0 = time.monotonic()
     resp = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
@@ -444,6 +449,9 @@ def format_summary(report: dict) -> str:
         error = prediction_error(report)
         if error is not None:
             line += f" ({100 * error:+.1f}%)"
+    served = report.get("replay_on_served")
+    if served:
+        line += f" | replay on the served outputs {served['acceptance_length']:.2f} ({100 * served['relative_error']:+.1f}%)"
     other = report.get("other_prompts")
     if other:
         line += (f" | other-kind prompts: acceptance length {other['acceptance_length']:.2f}, "
@@ -477,6 +485,22 @@ def _set_results(cfg: Config, prompts: list[dict], with_draft: dict, acceptance:
             "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft["outputs"], baseline["outputs"]),
         },
     }
+
+
+def replay_on_served(cfg: Config, draft: Path, prompts: list[dict], outputs: dict, measured: dict) -> dict:
+    """The replay over the very token sequences vLLM generated (evaluate.replay_served): with the same
+    text on both sides, what is left between it and vLLM's counters is the replay's own error."""
+    from common.acceptance import replay_on_token_ids
+
+    missing = [p["id"] for p in prompts if not outputs[p["id"]].get("completion_token_ids")
+               or not outputs[p["id"]].get("prompt_token_ids")]
+    if missing:
+        raise PipelineError(f"vLLM returned no token ids for {len(missing)} prompt(s) (first: {missing[0]}); "
+                            f"evaluate.replay_served needs vLLM >= 0.10 (return_token_ids), or set it to false")
+    sequences = [(outputs[p["id"]]["prompt_token_ids"], outputs[p["id"]]["completion_token_ids"]) for p in prompts]
+    result = replay_on_token_ids(cfg, draft, sequences, cfg.evaluate.num_speculative_tokens)
+    result["relative_error"] = (result["acceptance_length"] - measured["acceptance_length"]) / measured["acceptance_length"]
+    return result
 
 
 def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False,
@@ -563,6 +587,8 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         "created": time.time(),
     }
     report["offline_prediction_error"] = prediction_error(report)
+    if cfg.evaluate.replay_served:
+        report["replay_on_served"] = replay_on_served(cfg, draft, prompts, with_draft[HELD_OUT]["outputs"], acceptance[HELD_OUT])
 
     from common.plots import plot_report
 

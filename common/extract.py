@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import glob
 import hashlib
 import json
 import logging
@@ -426,8 +425,21 @@ def choose_device(cfg) -> str:
     return want
 
 
-def weights_bytes(model_path: str) -> int:
-    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_path, "*.safetensors")))
+def check_hf_fits(cfg, capacity_bytes: float, where: str) -> int:
+    """Refuse a target that transformers cannot hold: counts what it materialises (quantized -> dtype)."""
+    from common.model_loading import materialized_bytes
+
+    need, how = materialized_bytes(cfg.target.model, cfg.target.dtype)
+    if need > capacity_bytes:
+        raise ConfigError(
+            f"target.model '{cfg.target.model}' takes {format_bytes(need)} in transformers ({how}), more than the "
+            f"{format_bytes(capacity_bytes)} of {where}; use --set extract.backend=vllm, which runs it as stored with "
+            f"tensor/expert parallelism")
+    return need
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def load_target_model(cfg, device: str, local_rank: int = 0, world_size: int = 1):
@@ -447,11 +459,16 @@ def load_target_model(cfg, device: str, local_rank: int = 0, world_size: int = 1
                 raise ConfigError(f"target.device_map '{device_map}' shards one model over the GPUs; run it as one process, not under torchrun")
             placement = one_gpu
         elif device_map == "auto":
-            fits = weights_bytes(cfg.target.model) < 0.9 * torch.cuda.get_device_properties(0).total_memory
-            placement = one_gpu if fits or torch.cuda.device_count() == 1 else "auto"
+            gpus = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+            need = check_hf_fits(cfg, 0.9 * sum(gpus), f"the {len(gpus)} visible GPUs (90%)")
+            placement = one_gpu if need < 0.9 * gpus[0] or len(gpus) == 1 else "auto"
         else:
             placement = one_gpu if device_map == "single" else device_map
+        if placement.startswith("cuda:"):
+            check_hf_fits(cfg, 0.9 * torch.cuda.get_device_properties(local_rank).total_memory, f"GPU {local_rank} (90%)")
         torch.cuda.set_device(local_rank)
+    else:
+        check_hf_fits(cfg, 0.9 * host_memory_bytes(), "this machine's memory (90%)")
     if placement != "cpu" and not placement.startswith("cuda:"):
         kwargs["device_map"] = placement  # sharded over the visible GPUs
     try:
@@ -658,43 +675,68 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
     Returns {"status": "complete"|"todo", "plan", "entries", "todo": [shard files], ...}.
     """
     paths = input_paths(Path(cfg.run_dir))
-    if overwrite and hidden_dir.exists():
-        for p in list(hidden_dir.glob("shard-*.safetensors")) + list(hidden_dir.glob(".tmp-*")) + \
-                list(hidden_dir.glob("index*.json")) + [hidden_dir / PLAN_NAME]:
-            p.unlink(missing_ok=True)
-    hidden_dir.mkdir(parents=True, exist_ok=True)
-    for tmp in hidden_dir.glob(".tmp-*"):  # left by a killed run; never visible under a final name
-        tmp.unlink(missing_ok=True)
-
-    settings = _settings(cfg, info)
+    clear_outputs(hidden_dir, overwrite)
     plan_path = hidden_dir / PLAN_NAME
     # Changed inputs or settings since the plan was made: one error asking for --overwrite.
     stage_manifest(cfg, info).begin(overwrite, outputs=[hidden_dir / INDEX_NAME], started=plan_path.is_file())
-    if plan_path.is_file():
-        plan = read_json(plan_path)
-        if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
-            log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
-                        "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
-    else:
-        max_pos = _max_positions(info)
-        scans = [scan_split(p, split, info.vocab_size, max_pos, cfg.target.model) for split, p in paths.items()]
-        if not scans[0].samples:
-            raise DataError(f"{paths['train']} has no samples; rerun 01b_generate_synthetic.py")
-        ids = [s.id for scan in scans for s in scan.samples]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise DataError(f"sample id '{dup}' appears more than once in data/train.jsonl + data/eval.jsonl; ids must be unique")
-        plan = {
-            "format_version": FORMAT_VERSION,
-            "settings": settings,
-            "batch_max_tokens": cfg.extract.batch_max_tokens,
-            "inputs": {scan.split: {"file": f"data/{scan.path.name}", "sha256": scan.sha256, "num_samples": len(scan.samples),
-                                    "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
-            "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens),
-        }
-        atomic_write_json(plan_path, plan)
+    plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, plan_path)
+    good = verified_shards(cfg, hidden_dir, plan)
+    todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
+    header = _header(cfg, info, plan)
+    if not todo:
+        index = build_index(header, plan["shards"], good)
+        if not (hidden_dir / INDEX_NAME).is_file() or read_json(hidden_dir / INDEX_NAME) != index:
+            atomic_write_json(hidden_dir / INDEX_NAME, index)
+        for frag in hidden_dir.glob("index.rank-*.json"):
+            frag.unlink(missing_ok=True)
+        return {"status": "complete", "plan": plan, "entries": good, "todo": [], "header": header}
+    check_disk_for(cfg, hidden_dir, plan, header, todo)
+    atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], good))
+    return {"status": "todo", "plan": plan, "entries": good, "todo": todo, "header": header}
 
-    # What is already done and sound?
+
+def clear_outputs(hidden_dir: Path, overwrite: bool) -> None:
+    """--overwrite: remove everything 02 wrote; always: temp files a killed run left behind."""
+    if overwrite and hidden_dir.exists():
+        for p in list(hidden_dir.glob("shard-*.safetensors")) + list(hidden_dir.glob("index*.json")) + [hidden_dir / PLAN_NAME]:
+            p.unlink(missing_ok=True)
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    for tmp in hidden_dir.glob(".tmp-*"):  # never visible under a final name
+        tmp.unlink(missing_ok=True)
+
+
+def load_plan(cfg, plan_path: Path) -> dict:
+    plan = read_json(plan_path)
+    if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
+        log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
+                    "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
+    return plan
+
+
+def make_plan(cfg, info, paths: dict[str, Path], plan_path: Path) -> dict:
+    """Check every sample and fix which samples go in which shard, before the first forward pass."""
+    max_pos = _max_positions(info)
+    scans = [scan_split(p, split, info.vocab_size, max_pos, cfg.target.model) for split, p in paths.items()]
+    if not scans[0].samples:
+        raise DataError(f"{paths['train']} has no samples; rerun 01b_generate_synthetic.py")
+    ids = [s.id for scan in scans for s in scan.samples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DataError(f"sample id '{dup}' appears more than once in data/train.jsonl + data/eval.jsonl; ids must be unique")
+    plan = {
+        "format_version": FORMAT_VERSION,
+        "settings": _settings(cfg, info),
+        "batch_max_tokens": cfg.extract.batch_max_tokens,
+        "inputs": {scan.split: {"file": f"data/{scan.path.name}", "sha256": scan.sha256, "num_samples": len(scan.samples),
+                                "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
+        "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens),
+    }
+    atomic_write_json(plan_path, plan)
+    return plan
+
+
+def verified_shards(cfg, hidden_dir: Path, plan: dict) -> dict[str, dict]:
+    """The index entries of the planned shards that are on disk and sound (extract.verify)."""
     entries = read_entries(hidden_dir)
     planned = {s["file"]: s for s in plan["shards"]}
     good: dict[str, dict] = {}
@@ -709,17 +751,11 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
                 print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
             else:
                 good[name] = entry
-    todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
-    header = _header(cfg, info, plan)
-    if not todo:
-        index = build_index(header, plan["shards"], good)
-        if not (hidden_dir / INDEX_NAME).is_file() or read_json(hidden_dir / INDEX_NAME) != index:
-            atomic_write_json(hidden_dir / INDEX_NAME, index)
-        for frag in hidden_dir.glob("index.rank-*.json"):
-            frag.unlink(missing_ok=True)
-        return {"status": "complete", "plan": plan, "entries": good, "todo": [], "header": header}
+    return good
 
-    # Disk: what the remaining shards need, before any forward pass.
+
+def check_disk_for(cfg, hidden_dir: Path, plan: dict, header: dict, todo: list[str]) -> None:
+    """What the remaining shards need on disk, said and checked before any forward pass."""
     per_token = header["bytes_per_token"]
     shards_by_name = {s["file"]: s for s in plan["shards"]}
     tokens = sum(shards_by_name[f]["num_tokens"] for f in todo)
@@ -729,8 +765,6 @@ def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
           f"(({len(s['aux_layer_ids'])} aux + final) x H {s['target_hidden_size']} x {dtype_bytes(s['dtype'])} B + 9 B ids/mask) "
           f"= {format_bytes(needed)} needed", flush=True)
     check_disk_space(hidden_dir, needed, cfg.extract.min_free_disk_gb)
-    atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], good))
-    return {"status": "todo", "plan": plan, "entries": good, "todo": todo, "header": header}
 
 
 def run_extraction(cfg, overwrite: bool = False) -> dict:

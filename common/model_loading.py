@@ -221,6 +221,53 @@ def load_target_tensors(model_path: str, kinds=("embed", "lm_head")) -> dict:
     return out
 
 
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _safetensors_header(path: Path) -> dict:
+    import struct
+
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def materialized_bytes(model_path: str, dtype: str) -> tuple[int, str]:
+    """(bytes, description): what the target's weights take once transformers has loaded them in `dtype`.
+
+    Read from config.json and the safetensors headers only. Quantized checkpoints count as what
+    transformers makes of them: compressed-tensors packed int weights (Kimi-K2.5's routed experts are
+    int4, `*.weight_packed` int32 [out, in*bits/32]) are decompressed to `dtype`, their scales dropped.
+    """
+    from math import prod
+
+    if not os.path.isdir(model_path):
+        return 0, "unknown (not a local directory)"
+    config = json.loads((Path(model_path) / "config.json").read_text()) if (Path(model_path) / "config.json").is_file() else {}
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    bits = 4
+    for group in (quant.get("config_groups") or {}).values():
+        bits = int(((group or {}).get("weights") or {}).get("num_bits") or bits)
+    per_value = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        for name, meta in _safetensors_header(f).items():
+            numel = prod(meta["shape"])
+            if name.endswith(".weight_packed"):
+                total += numel * (32 // bits if meta["dtype"] == "I32" else 8 // bits) * per_value
+            elif name.rsplit(".", 1)[-1] in ("weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale"):
+                continue  # quantization metadata, gone after decompression
+            elif meta["dtype"].startswith(("F", "BF")):
+                total += numel * per_value
+            else:
+                total += numel * _DTYPE_BYTES.get(meta["dtype"], 1)
+    how = f"{quant.get('quant_method')} int{bits} weights decompressed to {dtype}" if quant else f"{dtype} weights"
+    return total, how
+
+
 def torch_dtype(name: str):
     import torch
 

@@ -1,6 +1,6 @@
 """The run folder contract: where every artifact lives, when a stage is complete, who may write.
 
-Three things every stage shares (docs/design.md, "run folder"):
+Three things every stage shares (docs/design.md#run-folder):
 
 - `Layout`: every artifact path under run_dir, in one place.
 - `StageManifest`: run_dir/stages/<stage>.json records what a stage's outputs were made from

@@ -106,7 +106,7 @@ def base_config(run_dir: Path, target: Path, **train) -> dict:
         "run_dir": str(run_dir),
         "target": {"model": str(target), "aux_layer_ids": AUX_IDS, "dtype": "float32"},
         "tokenize": {"max_seq_len": 128},
-        "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": 1024, "shard_max_tokens": 1500},
+        "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": 1024, "shard_max_tokens": 1500, "backend": "hf"},
         "vocab": {"draft_vocab_size": DRAFT_VOCAB},
         "train": t,
     }

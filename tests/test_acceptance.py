@@ -107,3 +107,29 @@ def test_two_segments_replay_independently_and_packed_rows_split_samples():
 def test_hits_with_fewer_steps_than_k_is_an_error():
     with pytest.raises(ValueError, match="steps >= k=3"):
         replay_sample(np.zeros((2, 5), dtype=bool), [1] * 5, k=3)
+
+
+def test_replay_on_token_ids_with_a_real_target_and_the_exact_chain_draft(tmp_path, one_torch_thread):
+    """The hand-built pi-chain target (transformers) and its exact draft (tests/test_export.py), exported:
+    on the target's greedy continuations every drafted token is right, so each round accepts k = 3 and
+    moves 4 tokens. Prompt of P tokens, 24 generated (positions P..P+23): rounds anchor at
+    P-1, P+3, ..., P+19 (the next, P+23, has no token left to draft): 6 rounds x 3 accepted."""
+    import torch
+
+    from common.acceptance import replay_on_token_ids
+    from common.config import config_from_dict
+    from common.export import export_vllm_draft
+    from tests.test_export import build_chain_draft, build_chain_target, chain_sequence, chain_setup
+
+    S, pi = chain_setup()
+    build_chain_target(tmp_path / "target", S, pi)
+    export_vllm_draft(build_chain_draft(S, pi), tmp_path / "draft", dtype=torch.float32)
+    cfg = config_from_dict({"run_dir": str(tmp_path / "run"), "extract": {"device": "cpu"},
+                            "target": {"model": str(tmp_path / "target"), "aux_layer_ids": [1, 2, 3], "dtype": "float32"}})
+    sequences = []
+    for start, n in ((0, 4), (17, 9)):
+        seq = chain_sequence(S, pi, start, n + 24)
+        sequences.append((seq[:n], seq[n:]))
+    result = replay_on_token_ids(cfg, tmp_path / "draft", sequences, k=3)
+    assert result["rounds"] == 2 * 6 and result["accepted_per_pos"] == [12, 12, 12]
+    assert result["acceptance_length"] == 4.0 and result["num_sequences"] == 2

@@ -229,7 +229,7 @@ def tokenized_run(root: Path, model: Path, train_lines: list, eval_lines: list |
     if eval_lines is not None:
         write_lines(run / "data" / "eval.jsonl", eval_lines)
     tree = {"run_dir": str(run), "target": {"model": str(model), "aux_layer_ids": [1, 2, 3], "dtype": "float32"},
-            "extract": {"device": "cpu", "dtype": "float32"}, "vocab": {"draft_vocab_size": 32}}
+            "extract": {"device": "cpu", "dtype": "float32", "backend": "hf"}, "vocab": {"draft_vocab_size": 32}}
     for key, value in sections.items():
         tree.setdefault(key, {}).update(value)
     return write_yaml(root / "run.yaml", tree)
@@ -331,6 +331,14 @@ def generate_outputs(tmp_path: Path) -> tuple[dict, list, list, list]:
     return report, raw, failed, samples
 
 
+def generate_outputs_without_samples(tmp_path: Path) -> tuple[dict, list, list, None]:
+    """generate_outputs for a run that failed before tokenizing (no train.jsonl)."""
+    data = tmp_path / "run" / "data"
+    report = json.loads((data / "generate_report.json").read_text())
+    raw = list(iter_jsonl(data / "raw_responses.jsonl")) if (data / "raw_responses.jsonl").exists() else []
+    return report, raw, list(iter_jsonl(data / "failed.jsonl")), None
+
+
 def assert_each_id_once(prompts: list[dict], raw: list, failed: list) -> None:
     ids = [r["id"] for r in raw] + [r["id"] for r in failed]
     assert sorted(ids) == sorted(p["id"] for p in prompts), "an id was lost or duplicated"
@@ -349,33 +357,31 @@ def test_01b_non_utf8_prompts_line_names_file_and_line(cli, tmp_path, chat_token
     assert_error(cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir)), f"{path}:2:")
 
 
-@pytest.mark.parametrize("bad", [{"id": 7, "messages": [{"role": "user", "content": "x"}]},
-                                 {"id": "p1", "messages": "What is 2 + 2?"},
-                                 {"id": "p1", "messages": []}], ids=["int-id", "messages-string", "messages-empty"])
-def test_01b_wrong_prompt_field_types_are_an_error(cli, tmp_path, chat_tokenizer_dir, bad):
-    path = write_prompts(tmp_path, [prompt(0), bad])
-    assert_error(cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir)), str(path),
-                 repr(bad["id"]))
+def test_01b_prompt_without_a_string_id_is_an_error(cli, tmp_path, chat_tokenizer_dir):
+    path = write_prompts(tmp_path, [prompt(0), {"id": 7, "messages": [{"role": "user", "content": "x"}]}])
+    assert_error(cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir)), str(path), "7")
+
+
+def test_01b_prompts_stage_01_would_drop_are_counted_skips(cli, tmp_path, chat_tokenizer_dir):
+    """Rows 01 never writes (wrong field types, no user turn, a message without a role) are skipped
+    by 01's rules and counted, never sent (tests/test_run_folder.py covers more shapes)."""
+    prompts = [prompt(0), {"id": "str", "messages": "What is 2 + 2?"}, {"id": "empty", "messages": []},
+               {"id": "sys-only", "messages": [{"role": "system", "content": "You are terse."}], "split": "train"},
+               {"id": "no-role", "messages": [{"content": "hi"}]}, prompt(1)]
+    write_prompts(tmp_path, prompts)
+    with FaultServer(Faults(seed=0)) as server:
+        res = cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir, server.base_url))
+        assert server.stats.chat_requests == 2
+    assert_ok(res)
+    report, raw, failed, samples = generate_outputs(tmp_path)
+    assert report["skipped_prompts"] == {"bad_fields": 2, "empty": 1, "no_user_turn": 1}
+    assert failed == [] and report["num_done"] == 2 and report["complete"] is True
+    assert sorted(s["id"] for s in samples) == ["p0", "p1"]
 
 
 def test_01b_missing_prompts_file_names_the_stage_to_run(cli, tmp_path, chat_tokenizer_dir):
     assert_error(cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir)),
                  "prompts file not found", "01_prepare_data.py")
-
-
-def test_01b_system_only_prompt_is_a_counted_failure(cli, tmp_path, chat_tokenizer_dir):
-    prompts = [prompt(0), {"id": "sys-only", "messages": [{"role": "system", "content": "You are terse."}], "split": "train"},
-               prompt(1)]
-    write_prompts(tmp_path, prompts)
-    with FaultServer(Faults(seed=0)) as server:
-        res = cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir, server.base_url))
-    assert_ok(res)
-    report, raw, failed, samples = generate_outputs(tmp_path)
-    assert_each_id_once(prompts, raw, failed)
-    assert [(f["id"], f["reason"]) for f in failed] == [("sys-only", "prompt has no user message")]
-    assert report["num_failed"] == 1 and report["num_done"] == 2 and report["complete"] is False
-    assert sorted(s["id"] for s in samples) == ["p0", "p1"]
-    assert "1 failed" in res.stdout and "failed.jsonl" in res.stdout
 
 
 @pytest.mark.parametrize("mode", ["truncate", "drop"])
@@ -431,9 +437,9 @@ def test_01b_server_answers_garbage_every_time_is_a_counted_failure(cli, tmp_pat
     with FaultServer(Faults(seed=0, **{f"p_{kind}": 1.0})) as server:
         res = cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir, server.base_url))
         assert server.stats.faults[kind] == len(prompts) * 3  # 1 try + max_retries=2 retries each
-    assert_ok(res)
-    report, raw, failed, samples = generate_outputs(tmp_path)
-    assert raw == [] and samples == []
+    assert_error(res, "no prompt got an answer: all 4 of 4 failed every retry (MalformedResponse x4)")
+    report, raw, failed, _ = generate_outputs_without_samples(tmp_path)
+    assert raw == [] and not (tmp_path / "run" / "data" / "train.jsonl").exists()
     assert_each_id_once(prompts, raw, failed)
     assert all(f["error_type"] == "MalformedResponse" and reason in f["reason"] and f["attempts"] == 3 for f in failed)
     assert report["num_failed"] == 4 and report["complete"] is False

@@ -52,9 +52,14 @@ def check_measured(run: Path, out: str) -> dict:
     assert report["outputs"]["identical"] == report["outputs"]["compared"] == report["num_prompts"], report["outputs"]
     assert (run / "eval" / "report.png").stat().st_size > 5_000
     assert "measured in vLLM: acceptance length" in out
-    # 04's replay of vLLM's rounds over the eval split predicts what vLLM measured within 2%
+    # The replay of vLLM's rounds (common.acceptance) over the very outputs vLLM served reproduces its
+    # counters (measured: -0.1% and 938 rounds on both sides). 04's prediction replays the eval split's
+    # sampled (temperature 0.7) responses instead of the greedy ones, on 31 prompts: same prompts,
+    # other text, so it is also off by the sampling noise of ~1000 rounds (measured +0.9% to +2.1%).
+    served = report["replay_on_served"]
+    assert served["num_sequences"] == 31 and abs(served["relative_error"]) <= 0.02, served
     assert report["offline"]["prediction"] == "replay"
-    assert abs(report["offline_prediction_error"]) <= 0.02, report["offline"]
+    assert abs(report["offline_prediction_error"]) <= 0.05, report["offline"]
     # the other-kind prompts (data/other_prompts.jsonl) are measured on the same server, losslessly
     other = report["other_prompts"]
     assert other["num_prompts"] == 32 and other["counters"]["num_drafts"] > 0 and other["acceptance_length"] > 1.0

@@ -373,3 +373,14 @@ def test_offline_prediction_is_the_replay_with_its_error(run_env, capsys):
     assert off["product_formula"] == {"acceptance_length": 2.02, "per_position": pytest.approx([0.6, 0.3, 0.12])}
     assert report["offline_prediction_error"] == pytest.approx((1.8 - 1.9) / 1.9)
     assert "offline replay 1.80 (-5.3%)" in capsys.readouterr().out
+
+
+def test_replay_served_needs_token_ids_from_the_server(run_env):
+    """evaluate.replay_served asks vLLM for return_token_ids; a server that sends none is a clear error."""
+    tree = run_env.cfg.to_dict()
+    cfg = config_from_dict({**tree, "evaluate": {**tree["evaluate"], "replay_served": True}})
+    with pytest.raises(PipelineError, match="returned no token ids for 4 prompt.*replay_served needs vLLM >= 0.10"):
+        evaluate.run_stage(cfg)
+    requests = run_env.started[0]["server"].requests
+    assert len(requests) == 1 + 4  # warm-up + the held-out prompts (no other set configured)
+    assert all(body.get("return_token_ids") is True for body in requests)

@@ -66,7 +66,7 @@ def read_rows(run_dir: Path) -> dict[str, dict]:
 
 def make_cfg(run_dir: Path, model: Path, aux=(1, 2, 3), **extract):
     tree = {"run_dir": str(run_dir), "target": {"model": str(model), "aux_layer_ids": list(aux), "dtype": "bfloat16"},
-            "extract": {"shard_max_tokens": 300, "batch_max_tokens": 160, "device": "cpu", **extract}}
+            "extract": {"shard_max_tokens": 300, "batch_max_tokens": 160, "device": "cpu", "backend": "hf", **extract}}
     return tree
 
 

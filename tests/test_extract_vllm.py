@@ -162,7 +162,7 @@ def test_stored_aux_states_match_what_vllm_feeds_the_draft(tmp_path):
 
     # Our extraction, default dtypes (bf16 target, bf16 storage), several samples per batch.
     cfg = config_from_dict({"run_dir": str(run_dir), "target": {"model": str(target), "aux_layer_ids": AUX},
-                            "extract": {"device": "cpu", "batch_max_tokens": 256}})
+                            "extract": {"device": "cpu", "batch_max_tokens": 256, "backend": "hf"}})
     assert run_extraction(cfg)["complete"]
     index = json.loads((run_dir / "hidden" / "index.json").read_text())
 

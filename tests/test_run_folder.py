@@ -198,6 +198,7 @@ def tiny_run(tmp_path_factory) -> Path:
     return build_run(tmp_path_factory.mktemp("run-folder"))
 
 
+@pytest.mark.slow  # ~55 s: builds the hidden-state fixture, then 02 and 03 twice
 def test_two_copies_of_02_and_03(tmp_path, tiny_run):
     src = yaml.safe_load(tiny_run.read_text())
     run_dir = tmp_path / "run"
@@ -236,6 +237,7 @@ def test_05_waits_for_nobody(tmp_path):
 # ============================================================================ 04: inputs changed, damaged files
 
 
+@pytest.mark.slow  # ~60 s: five 04 runs
 def test_04_changed_vocab_or_hidden_is_an_error_not_a_stale_final(tmp_path, tiny_run):
     """Issue 10, case 1: a rebuilt vocab map (or hidden/) used to leave train/final from the old one."""
     import torch
