@@ -507,33 +507,11 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
               baseline_only: bool = False, base_url: Optional[str] = None) -> int:
     paths = EvalPaths.of(cfg)
     sets = prompt_sets(cfg)
-    prompts, other = sets[HELD_OUT], sets.get(OTHER)
-
     if baseline_only:
-        # run_pipeline.py: measure the target alone on the server it already runs for 01b.
-        if not base_url:
-            raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
-        todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
-        from common.run_folder import Layout, StageManifest
-
-        record = StageManifest(Layout.of(cfg), "05_baseline").record  # what run_pipeline reports
-        if not todo:
-            print(f"05_evaluate: baseline already complete ({paths.baseline}); use --overwrite to redo")
-            record("already_complete")
-            return 0
-        for name in todo:
-            b = measure_baseline(cfg, base_url, sets[name], name)
-            print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name])} prompts, {b['output_tokens']} "
-                  f"tokens in {b['wall_s']:.1f}s ({b['tokens_per_s']:.1f} tok/s)")
-        record("done")
-        return 0
-
-    draft = Path(draft_dir) if draft_dir else cfg.run_path / "train" / "final"
-    if not (draft / "config.json").is_file():
-        raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
+        return run_baseline_only(cfg, paths, sets, base_url, overwrite)
+    draft = find_draft(cfg, draft_dir)
     draft_sha = draft_fingerprint(draft)
-    key = report_key(cfg, prompts, draft, draft_sha, other)
-
+    key = report_key(cfg, sets[HELD_OUT], draft, draft_sha, sets.get(OTHER))
     if overwrite:
         for p in (paths.report, paths.plot, paths.outputs, paths.baseline, paths.outputs_other, paths.baseline_other):
             p.unlink(missing_ok=True)
@@ -542,31 +520,73 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         manifest.record("already_complete")
         print(f"05_evaluate: already complete ({paths.report}): {format_summary(read_json(paths.report))}; use --overwrite to redo")
         return 0
+    with_draft, acceptance = measure_with_draft(cfg, paths, sets, draft)
+    baselines = measure_or_reuse_baselines(cfg, paths, sets, base_url)
+    report = build_report(cfg, paths, sets, draft, draft_sha, key, with_draft, acceptance, baselines)
+    write_report(cfg, paths, report)
+    manifest.complete({"acceptance_length": report.get("acceptance_length")})
+    print(f"05_evaluate: {format_summary(report)} -> {paths.report}")
+    return 0
 
-    k = cfg.evaluate.num_speculative_tokens
-    # 1) target + draft: each prompt set between its own pair of /metrics scrapes
+
+def run_baseline_only(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], base_url: Optional[str], overwrite: bool) -> int:
+    """run_pipeline.py: measure the target alone on the server it already runs for 01b."""
+    from common.run_folder import Layout, StageManifest
+
+    if not base_url:
+        raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
+    todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
+    record = StageManifest(Layout.of(cfg), "05_baseline").record  # what run_pipeline reports
+    if not todo:
+        print(f"05_evaluate: baseline already complete ({paths.baseline}); use --overwrite to redo")
+        record("already_complete")
+        return 0
+    for name in todo:
+        b = measure_baseline(cfg, base_url, sets[name], name)
+        print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name])} prompts, {b['output_tokens']} "
+              f"tokens in {b['wall_s']:.1f}s ({b['tokens_per_s']:.1f} tok/s)")
+    record("done")
+    return 0
+
+
+def find_draft(cfg: Config, draft_dir: Optional[str]) -> Path:
+    draft = Path(draft_dir) if draft_dir else cfg.run_path / "train" / "final"
+    if not (draft / "config.json").is_file():
+        raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
+    return draft
+
+
+def measure_with_draft(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], draft: Path) -> tuple[dict, dict]:
+    """Target + draft: each prompt set between its own pair of /metrics scrapes. Returns (runs, acceptance) per set."""
     from common.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
 
+    k = cfg.evaluate.num_speculative_tokens
     with_draft, acceptance = {}, {}
     with target_server(cfg, speculative_config(cfg, draft), log_path=paths.logs / "vllm_eval_draft.log") as server:
-        warm_up(cfg, server.base_url, prompts)
+        warm_up(cfg, server.base_url, sets[HELD_OUT])
         for name, set_prompts in sets.items():
             before = spec_decode_metrics(scrape_metrics(server.base_url))
             with_draft[name] = run_prompts(cfg, server.base_url, set_prompts, desc=f"target + draft (k={k}, {name})")
             after = spec_decode_metrics(scrape_metrics(server.base_url))
             acceptance[name] = acceptance_metrics(metrics_delta(after, before), k)
+    return with_draft, acceptance
 
-    # 2) target alone (cached when run_pipeline measured it on the generation server)
-    baselines = {}
-    for name, set_prompts in sets.items():
-        baselines[name] = cached_baseline(cfg, set_prompts, name)
+
+def measure_or_reuse_baselines(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], base_url: Optional[str]) -> dict:
+    """Target alone, per set: cached when run_pipeline measured it on the generation server."""
+    baselines = {name: cached_baseline(cfg, set_prompts, name) for name, set_prompts in sets.items()}
     if any(b is None for b in baselines.values()):
         with (contextlib.nullcontext(None) if base_url else
               target_server(cfg, None, log_path=paths.logs / "vllm_eval_target.log")) as server:
             for name, b in baselines.items():
                 if b is None:
                     baselines[name] = measure_baseline(cfg, base_url or server.base_url, sets[name], name)
+    return baselines
 
+
+def build_report(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], draft: Path, draft_sha: str, key: dict,
+                 with_draft: dict, acceptance: dict, baselines: dict) -> dict:
+    prompts, other = sets[HELD_OUT], sets.get(OTHER)
     held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], paths.outputs)
     report = {
         "version": REPORT_VERSION,
@@ -589,7 +609,11 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
     report["offline_prediction_error"] = prediction_error(report)
     if cfg.evaluate.replay_served:
         report["replay_on_served"] = replay_on_served(cfg, draft, prompts, with_draft[HELD_OUT]["outputs"], acceptance[HELD_OUT])
+    return report
 
+
+def write_report(cfg: Config, paths: EvalPaths, report: dict) -> None:
+    """The plot, then report.json; warns when greedy outputs differ with and without the draft."""
     from common.plots import plot_report
 
     plot_report(report, cfg.run_path / "train" / "metrics.jsonl", paths.plot)
@@ -599,9 +623,6 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         if o and o["greedy"] and o["identical"] != o["compared"]:
             print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
                   f"prompts) differ with and without the draft (see 'mismatch_examples' in {paths.report})", file=sys.stderr)
-    manifest.complete({"acceptance_length": report.get("acceptance_length")})
-    print(f"05_evaluate: {format_summary(report)} -> {paths.report}")
-    return 0
 
 
 def stage_manifest(cfg: Config, key: dict):

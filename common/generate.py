@@ -603,9 +603,10 @@ async def resolve_model(client, cfg: Config) -> str:
     g = cfg.generate
     try:
         page = await client.with_options(timeout=min(g.timeout_s, 30.0)).models.list()
-    except openai.AuthenticationError:
+    except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
         raise PipelineError(
-            f"the server at {g.base_url} rejected the API key (401); put the key in the environment variable {g.api_key_env}"
+            f"the server at {g.base_url} rejected the API key ({e.status_code}); put the key in the environment variable "
+            f"{g.api_key_env}"
         ) from None
     except openai.APIStatusError as e:
         raise PipelineError(f"the server at {g.base_url} answered {e.status_code} to GET /models; is it an OpenAI-compatible server?") from None

@@ -169,13 +169,6 @@ class Layout:
     def lock(self, stage: str) -> Path:
         return self.stages / f"{stage}.lock"
 
-    def relative(self, path: Path) -> str:
-        """How a path is named in manifests and messages: relative to run_dir when inside it."""
-        try:
-            return str(Path(path).resolve().relative_to(self.run_dir.resolve()))
-        except ValueError:
-            return str(path)
-
 
 # ---------------------------------------------------------------------------------------------
 # Content fingerprints
@@ -207,13 +200,25 @@ def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
     cache = _read_hash_cache(layout)  # another stage may have added entries meanwhile
     cache[key] = {"stamp": stamp, "sha256": digest}
     # Keep the cache small: entries of files that are gone are dropped.
-    cache = {k: v for k, v in cache.items() if os.path.exists(k)}
-    try:
-        atomic_write_json(layout.stages / HASH_CACHE, cache)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EROFS):
-            raise
+    _write_hash_cache(layout, {k: v for k, v in cache.items() if os.path.exists(k)})
     return digest
+
+
+def _write_hash_cache(layout: Layout, cache: dict) -> None:
+    """Replace the cache file. Several processes may write it at once (ranks, stages running side
+    by side), so each uses its own temp file (common.io.atomic_path would delete the others');
+    the last writer wins, and a lost entry is only hashed again."""
+    import tempfile
+
+    try:
+        layout.stages.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{HASH_CACHE}.", dir=layout.stages)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cache, f)
+        os.replace(tmp, layout.stages / HASH_CACHE)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EROFS, errno.ENOSPC, errno.ENOENT):
+            raise
 
 
 def _read_hash_cache(layout: Layout) -> dict:

@@ -376,6 +376,22 @@ def test_01b_failure_share_over_the_limit_is_an_error(run_dir, gen):
     assert read_manifest(Layout(run_dir), "01b_generate_synthetic")["state"] == "running"
 
 
+def test_01b_never_mixes_two_generations(run_dir, gen):
+    """Changed sampling settings with finished rows: an error, not a data set of two generations;
+    changed tokenization: retokenized; new prompts: generated."""
+    from tests.test_generate import make_prompts
+
+    make, run = gen
+    make_prompts(run_dir, 6)
+    with FaultServer(Faults()) as server:
+        assert run(make(server)).returncode == 0
+        error_line(run(make(server, temperature=0.2)), '"temperature": 0.6', '"temperature": 0.2', "--overwrite")
+        make_prompts(run_dir, 8)
+        res = run(make(server))
+        assert res.returncode == 0 and "2 generated" in res.stdout, res.stdout
+    assert "already complete" in run(make(server)).stdout  # the server is gone: nothing left to ask it
+
+
 def test_01b_skips_prompts_stage_01_would_drop(run_dir, gen):
     """Issue 10, case 8: a message without "role" was a KeyError traceback; empty prompts were sent."""
     make, run = gen
