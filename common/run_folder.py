@@ -22,11 +22,11 @@ which holds each shard's sha256: hashing the index covers terabytes without read
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import fcntl
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -342,7 +342,8 @@ class StageManifest:
             "inputs": self.inputs,
             "settings": self.settings,
             "result": result or {},
-            "last_run": {"outcome": outcome, "pid": os.getpid(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            "last_run": {"outcome": outcome, "pid": os.getpid(),
+                         "time": datetime.datetime.now().isoformat(timespec="microseconds")},
         }
         atomic_write_json(self.path, record)
         self.previous = record
@@ -377,9 +378,13 @@ def stage_lock(run_dir: str | os.PathLike, stage: str) -> Iterator[None]:
     """Hold run_dir/stages/<stage>.lock exclusively for the block (flock: released by the OS
     when the process exits or dies, so it is never stale). A second holder raises StageBusy."""
     layout = Layout.of(run_dir)
-    layout.stages.mkdir(parents=True, exist_ok=True)
     path = layout.lock(stage)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        layout.stages.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError as e:
+        raise PipelineError(f"cannot create the stage lock {path} ({e.strerror}); make run_dir {layout.run_dir} writable "
+                            f"or point run_dir elsewhere") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

