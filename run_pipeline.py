@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's YAML config, e.g. configs/tiny.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override passed to every stage (repeatable)")
-    parser.add_argument("--tiny-target", choices=["llama", "qwen3"],
+    parser.add_argument("--tiny-target", choices=["llama", "qwen3", "deepseek_v3"],
                         help="build the embedded tiny target of this family into target.model if it is not there yet")
     parser.add_argument("--server-url", help="use this running vLLM server of the target (http://host:port/v1) for 01b instead of starting one")
     parser.add_argument("--stop-after", choices=STAGES[1:], help="stop after this stage")

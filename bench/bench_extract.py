@@ -10,8 +10,13 @@ Each is repeated and the fastest run kept (the dev machine is shared). Reported:
                    and printed separately as end-to-end time)
   bytes/token      written bytes / tokens vs the format's minimum ((n_aux+1)*H*dtype + 9 B ids/mask)
 
+With --backends it instead extracts the same samples once with each backend (extract.backend hf,
+then vllm: vLLM's extract_hidden_states + our connector) and reports tokens/s of the shard loop for
+both, their ratio, and the wall time including model load / engine start.
+
     python bench/bench_extract.py                    # tiny + medium
     python bench/bench_extract.py --configs tiny --repeats 5
+    python bench/bench_extract.py --backends --configs tiny medium
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def bench_one(root: Path, name: str, spec: dict, args) -> dict:
         "target": {"model": str(model_dir), "aux_layer_ids": [1, spec["num_hidden_layers"] // 2, spec["num_hidden_layers"] - 1],
                    "dtype": args.target_dtype},
         "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": args.batch_max_tokens,
-                    "shard_max_tokens": args.shard_max_tokens},
+                    "shard_max_tokens": args.shard_max_tokens, "backend": "hf"},
     })
     run_extraction(cfg)  # warm-up run; also writes the plan the bare pass reuses
     bare, full, extract, wall = [], [], [], []
@@ -117,6 +122,33 @@ def bench_one(root: Path, name: str, spec: dict, args) -> dict:
     }
 
 
+def bench_backends(root: Path, name: str, spec: dict, args) -> dict:
+    """One run of each backend over the same samples (same plan, same shards)."""
+    from common.config import config_from_dict
+    from common.extract import run_extraction
+    from common.model_loading import torch_dtype
+
+    model_dir, run_dir = build(root, name, spec, torch_dtype(args.target_dtype))
+    row = {"config": name, "hidden": spec["hidden_size"], "layers": spec["num_hidden_layers"]}
+    for backend in ("hf", "vllm"):
+        cfg = config_from_dict({
+            "run_dir": str(run_dir),
+            "target": {"model": str(model_dir), "aux_layer_ids": [1, spec["num_hidden_layers"] // 2, spec["num_hidden_layers"] - 1],
+                       "dtype": args.target_dtype},
+            "tokenize": {"max_seq_len": spec["lengths"][1]},
+            "extract": {"device": "cpu", "dtype": "bfloat16", "batch_max_tokens": args.batch_max_tokens,
+                        "shard_max_tokens": args.shard_max_tokens, "backend": backend},
+        })
+        start = time.perf_counter()
+        summary = run_extraction(cfg, overwrite=True)
+        row[f"{backend}_wall_s"] = time.perf_counter() - start
+        row[f"{backend}_s"] = summary["seconds"]
+        row[f"{backend}_tok_per_s"] = summary["tokens_per_s"]
+        row["tokens"] = summary["tokens"]
+    row["ratio"] = row["vllm_tok_per_s"] / row["hf_tok_per_s"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -127,6 +159,7 @@ def main() -> None:
     parser.add_argument("--shard-max-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice; 1 avoids OpenMP oversubscription on a busy machine)")
+    parser.add_argument("--backends", action="store_true", help="compare the vllm and hf backends (one run each)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.threads:
@@ -141,10 +174,19 @@ def main() -> None:
     results = []
     try:
         for name in args.configs:
-            results.append(bench_one(root, name, CONFIGS[name], args))
+            results.append((bench_backends if args.backends else bench_one)(root, name, CONFIGS[name], args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
+    if args.backends:
+        print(f"{'config':8} {'H':>5} {'L':>2} {'tokens':>7} {'hf tok/s':>9} {'vllm tok/s':>10} {'vllm/hf':>8} "
+              f"{'hf wall s':>9} {'vllm wall s':>11}")
+        for r in results:
+            print(f"{r['config']:8} {r['hidden']:>5} {r['layers']:>2} {r['tokens']:>7} {r['hf_tok_per_s']:>9.0f} "
+                  f"{r['vllm_tok_per_s']:>10.0f} {r['ratio']:>8.2f} {r['hf_wall_s']:>9.1f} {r['vllm_wall_s']:>11.1f}")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        return
     print(f"{'config':8} {'H':>5} {'L':>2} {'tokens':>7} {'bare s':>8} {'full s':>8} {'extract s':>9} {'ext/bare':>8} "
           f"{'ext/full':>8} {'tok/s':>8} {'B/token':>8} {'min B/tok':>9} {'overhead':>8}")
     for r in results:

@@ -160,6 +160,9 @@ class ReplayTotals:
 def describe(eval_report: dict, ks: Iterable[int]) -> str:
     """One line for the log: the replayed prediction (and the product formula) at each k."""
     replay, tau = eval_report.get("replay") or {}, eval_report.get("tau") or {}
+    if not replay and tau:  # a report written before the replay existed
+        return "expected acceptance length (product formula) at " + ", ".join(
+            f"k={k}: {tau[str(k)]:.2f}" for k in ks if str(k) in tau)
     parts = []
     for k in ks:
         r, p = replay.get(str(k)), tau.get(str(k))

@@ -50,32 +50,13 @@ Placement and multi-GPU
   atomic); rank 0 merges the fragments into index.json after each of its shards and once more after
   the final barrier (the merge is a pure function of the fragments, so it is idempotent).
 
-vLLM's own hidden-state extraction (evaluated for vllm 0.32.0; not used here)
-- vLLM has a speculative method "extract_hidden_states" (vllm/v1/spec_decode/extract_hidden_states.py,
-  model_executor/models/extract_hidden_states.py) plus the KV connector ExampleHiddenStatesConnector
-  (distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py). With
-  speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}} and
-  kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-  "kv_connector_extra_config": {"shared_storage_path": DIR}}, the target runs with the EAGLE-3 aux
-  outputs switched on (same boundary convention as above, and id N is allowed = the PRE-norm state after
-  the last layer), a cache-only "attention" layer stores the stacked [T, n_ids, H] states in a
-  dedicated KV-cache group, and on request finish the connector writes DIR/<req_id>.safetensors with
-  "hidden_states" [T, n_ids, H] and "token_ids". Generate with max_tokens=1 per sample.
-- Why not here: (1) it is CUDA-only: the connector uses torch.cuda.Stream/Event and pinned memory, so it
-  cannot run on the CPU build the tests use; (2) the connector refuses MLA verifiers ("MLA verifiers are
-  unsupported": HiddenStateCacheSpec subclasses MLAAttentionSpec and cannot be isolated in its own KV
-  cache group next to MLA layers), and Kimi-K2.5 / DeepSeek-V3 are MLA, which is the target that would
-  need it; (3) it writes one file per request and is labelled an example/debug connector.
-- It is nevertheless the right tool once MLA is supported, because vLLM runs the 1T MLA/MoE target with
-  tensor/expert parallelism across 8 GPUs at full utilisation, where transformers device_map="auto"
-  runs the layers one GPU at a time. Precisely: serve with ids = aux_layer_ids + [N]; for each sample
-  request prompt_token_ids = input_ids, max_tokens = 1; load the file, aux_hidden =
-  hidden_states[:, :n_aux].reshape(T, n_aux * H); final_hidden = RMSNorm(hidden_states[:, n_aux]) with
-  the target's model.norm weight and rms_norm_eps (computed in fp32, cast to extract.dtype), because
-  vLLM's id N is pre-norm while our final_hidden is post-norm; then feed the rows to the same shard
-  writer (`write_shard`) in plan order. The features are the same tensors (tests/test_extract_vllm.py
-  checks the boundary convention against vLLM's own capture within bf16 tolerance).
+Backends (extract.backend; docs/design.md#hidden-state-extraction-through-vllm)
+- hf: the above, the target in transformers. The reference, and for targets vLLM cannot run; it refuses
+  a target whose materialised weights (quantized ones decompressed, e.g. Kimi-K2.5's int4 experts to
+  bf16) exceed the memory it would use, naming the vllm backend.
+- vllm (auto = vllm where installed): the target runs in vLLM with its "extract_hidden_states" method
+  and our KV connector (common/extract_vllm.py, common/vllm_hidden_connector.py), with TP/DP/EP from
+  extract.*; same plan, shards, index and resume as above, one request per sample.
 """
 
 from __future__ import annotations
@@ -835,7 +816,11 @@ def open_extractor(cfg, info, hidden_dir: Path, env: DistEnv, out_dtype):
     """The backend that runs the target: HfExtractor, or VllmExtractor (common/extract_vllm.py)."""
     from common.extract_vllm import VllmExtractor, resolve_backend
 
-    if resolve_backend(cfg) == "hf":
+    backend = resolve_backend(cfg)
+    if env.is_main:
+        print(f"02_extract_hidden: extract.backend {backend}" + (f" (TP {cfg.extract.tensor_parallel_size}, DP {env.world_size}, "
+              f"expert parallel {cfg.extract.enable_expert_parallel})" if backend == "vllm" else ""), flush=True)
+    if backend == "hf":
         return HfExtractor(cfg, info, env, out_dtype)
     return VllmExtractor(cfg, info, out_dtype, hidden_dir, dp_rank=env.rank, dp_size=env.world_size)
 

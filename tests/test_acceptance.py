@@ -102,6 +102,8 @@ def test_two_segments_replay_independently_and_packed_rows_split_samples():
     assert again.report() == rep
     assert describe({"replay": rep, "tau": {"2": 1.9}}, [2]) == \
         "predicted vLLM acceptance length (replay) at k=2: 1.60 (product formula 1.90)"
+    assert describe({"tau": {"2": 1.9}}, [2]) == "expected acceptance length (product formula) at k=2: 1.90"
+    assert describe({}, [2]) == "no eval split"
 
 
 def test_hits_with_fewer_steps_than_k_is_an_error():

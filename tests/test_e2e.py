@@ -31,9 +31,10 @@ TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 # cores: measured vLLM acceptance length 3.45 for llama, 3.22 for qwen3; README).
 
 
-def run_pipeline(run: Path, *args: str, timeout: float = 1500, log_name: str = "pipeline") -> tuple[int, str]:
+def run_pipeline(run: Path, *args: str, timeout: float = 1500, log_name: str = "pipeline",
+                 config: Path = TINY_CONFIG) -> tuple[int, str]:
     log = run.parent / f"{run.name}-{log_name}.log"
-    cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG),
+    cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(config),
            "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}", *args]
     with open(log, "wb") as out:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
@@ -101,6 +102,22 @@ def test_pipeline_tiny_qwen3_custom_vocab_and_aux_layers(tmp_path):
     assert draft_cfg["draft_vocab_size"] == 512
     assert draft_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert json.loads((run / "target" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_pipeline_tiny_deepseek_v3_through_vllm(tmp_path):
+    """The Kimi-shaped proxy (MLA + MoE): 01b, 02 (extract.backend vllm) and 05 all run the target in vLLM."""
+    run = tmp_path / "deepseek"
+    code, out = run_pipeline(run, "--tiny-target", "deepseek_v3", config=ROOT / "configs" / "tiny-deepseek.yaml")
+    assert code == 0, out[-5000:]
+    report = json.loads((run / "eval" / "report.json").read_text())
+    print(f"deepseek_v3: acceptance length {report['acceptance_length']:.3f}, per-position "
+          f"{report['per_position_acceptance']}, outputs {report['outputs']['identical']}/{report['outputs']['compared']}")
+    assert json.loads((run / "target" / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert "extract.backend vllm" in (run / "logs" / "02_extract_hidden.log").read_text()
+    assert report["num_speculative_tokens"] == 3 and report["counters"]["num_drafts"] > 0
+    assert report["acceptance_length"] >= 1.8, report
 
 
 @pytest.mark.slow

@@ -31,8 +31,8 @@ from tests.helpers import write_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]  # 4-layer targets; id 0 is out for vLLM's DeepSeek stack
-# Measured max relative error (Frobenius, per sample and tensor) vllm vs hf, bf16 both sides:
-# llama 0.7%, qwen3 see README; limits leave head-room for kernel differences, the shift is > 20%.
+# Measured max relative error (Frobenius, per sample and tensor) vllm vs hf, bf16 both sides: llama
+# 0.44-0.82%, qwen3 0.48-0.84%, deepseek_v3 (attention output zeroed) 0-2.8%; one layer off: 27-56%.
 MAX_REL_ERROR = 0.05
 MIN_SHIFTED_ERROR = 0.2
 
