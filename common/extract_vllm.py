@@ -171,28 +171,34 @@ class VllmExtractor:
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(s["input_ids"])), params)
         results: list[dict | None] = [None] * len(samples)
         files: dict[int, str] = {}  # finished requests whose file we wait for
-        last_progress = time.monotonic()
-        while engine.has_unfinished_requests() or files:
-            if engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        params_out = out.kv_transfer_params or {}
-                        if "hidden_states_path" not in params_out:
-                            raise PipelineError(f"vLLM finished request {out.request_id} without hidden states "
-                                                f"(kv_transfer_params {params_out}); is the KV connector loaded?")
-                        files[by_request[out.request_id]] = params_out["hidden_states_path"]
-            else:
-                time.sleep(0.002)  # the engine core writes the last files after the requests finished
+
+        def read_ready() -> None:
             for i, path in list(files.items()):
                 if os.path.exists(path):
                     n = len(samples[i]["input_ids"])
                     results[i] = self._load(path, n, samples[i]["id"])
                     del files[i]
                     on_tokens(n)
-                    last_progress = time.monotonic()
-            if files and time.monotonic() - last_progress > FILE_TIMEOUT_S:
+
+        # One has_unfinished_requests per step, as LLM.generate does: with data parallel it is a
+        # collective that every rank must call equally often.
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    params_out = out.kv_transfer_params or {}
+                    if "hidden_states_path" not in params_out:
+                        raise PipelineError(f"vLLM finished request {out.request_id} without hidden states "
+                                            f"(kv_transfer_params {params_out}); is the KV connector loaded?")
+                    files[by_request[out.request_id]] = params_out["hidden_states_path"]
+            read_ready()
+        # The engine core writes the last files in the steps after their requests finished.
+        deadline = time.monotonic() + FILE_TIMEOUT_S
+        while files:
+            read_ready()
+            if files and time.monotonic() > deadline:
                 raise PipelineError(f"vLLM did not write the hidden states of {len(files)} finished requests within "
                                     f"{FILE_TIMEOUT_S:.0f} s (e.g. {next(iter(files.values()))}); see the engine log above")
+            time.sleep(0.002)
         missing = [samples[i]["id"] for i, r in enumerate(results) if r is None]
         if missing:
             raise PipelineError(f"vLLM returned no hidden states for samples {missing[:5]}")

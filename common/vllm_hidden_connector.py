@@ -105,6 +105,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._copy_stream = None
         self._copy_events: dict[str, Any] = {}
         self._finished_req_ids: set[str] = set()
+        self._saved: set[str] = set()
         self._writer = ThreadPoolExecutor(max_workers=int(self._kv_transfer_config.get_from_extra_config("num_writer_threads", 4)),
                                           thread_name_prefix="hidden-states-writer")
         self._writes: set[Future] = set()
@@ -171,6 +172,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             if isinstance(meta, HiddenStatesMetadata) and self._writes_enabled:
                 for save in meta.saves:
+                    self._saved.add(save.req_id)
                     os.makedirs(os.path.dirname(save.path), exist_ok=True)
                     rows = self._gather(save)
                     future = self._writer.submit(self._write, rows, save.path, self._copy_events.get(save.req_id))
@@ -184,7 +186,9 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # the copy out of the blocks is still running: keep them
             self._copy_events.pop(req_id, None)
             self._finished_req_ids.discard(req_id)
-            done.add(req_id)
+            if req_id in self._saved:  # only requests whose blocks we kept (aborted ones were freed)
+                self._saved.discard(req_id)
+                done.add(req_id)
         return done or None, None
 
     def _write_done(self, future: Future) -> None:

@@ -244,3 +244,24 @@ def test_hf_memory_check_counts_compressed_tensors_as_decompressed(tmp_path):
         check_hf_fits(cfg, need - 1, "the 8 visible GPUs (90%)")
     msg = str(err.value)
     assert "\n" not in msg and "45.57 KB" in msg and "compressed-tensors int4" in msg and "--set extract.backend=vllm" in msg
+
+
+def test_vllm_backend_parallelism_errors(tmp_path):
+    """One-line errors before any engine starts: DP without torchrun, id 0 on a DeepSeek stack."""
+    from common.distributed import DistEnv
+    from common.errors import ConfigError
+    from common.extract import _check_parallelism
+    from common.model_loading import load_target_info
+    from tests.helpers import build_target
+
+    llama, deepseek = build_target(tmp_path / "llama"), build_target(tmp_path / "deepseek", family="deepseek_v3")
+    cfg = config_from_dict({"run_dir": str(tmp_path), "target": {"model": str(llama), "aux_layer_ids": [1, 2, 3]},
+                            "extract": {"backend": "vllm", "data_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"data_parallel_size is 2 but 02 runs as 1 process.*torchrun --nproc_per_node 2"):
+        _check_parallelism(cfg, load_target_info(cfg), DistEnv())
+    cfg = config_from_dict({"run_dir": str(tmp_path), "target": {"model": str(deepseek), "aux_layer_ids": [0, 1, 3]},
+                            "extract": {"backend": "vllm"}})
+    with pytest.raises(ConfigError, match=r"includes 0.*use ids >= 1, or --set extract.backend=hf"):
+        _check_parallelism(cfg, load_target_info(cfg), DistEnv())
+    cfg.extract.backend = "hf"
+    _check_parallelism(cfg, load_target_info(cfg), DistEnv())  # the hf backend captures id 0 everywhere
