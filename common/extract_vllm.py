@@ -133,6 +133,7 @@ class VllmExtractor:
                 seed=0,
             )
         except Exception as e:
+            shutil.rmtree(requests_dir, ignore_errors=True)
             raise PipelineError(f"vLLM could not start on target.model '{cfg.target.model}': {type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}; see the log above, or use --set extract.backend=hf") from e
         self._next_id = 0
