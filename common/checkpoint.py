@@ -32,7 +32,7 @@ from torch import nn
 
 from common.distributed import DistEnv, barrier, broadcast_object
 from common.errors import DataError, PipelineError
-from common.io import file_sha256, fsync_dir
+from common.io import file_sha256, fsync_dir, iter_jsonl, write_jsonl_atomic
 
 CKPT_RE = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
@@ -250,3 +250,28 @@ def load_latest(ckpt_dir: Path, draft, optimizer, env: DistEnv) -> Optional[tupl
             shutil.rmtree(path, ignore_errors=True)
         barrier(env)
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# The rest of train/ that a resume or --overwrite touches
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Drop metrics lines after the resumed checkpoint's step (they will be produced again)."""
+    if not path.exists():
+        return 0
+    rows = list(iter_jsonl(path, tolerate_torn_tail=True, strict=False))
+    keep = [r for r in rows if int(r.get("step", 0)) <= last_step]
+    if len(keep) != len(rows) or path.read_bytes()[-1:] not in (b"\n", b""):
+        write_jsonl_atomic(path, keep)
+    return len(rows) - len(keep)
+
+
+def clean_train_dir(train_dir: Path) -> None:
+    """--overwrite: remove everything stage 04 wrote."""
+    for name in ("checkpoints", "tb", "final", ".tmp-final", "metrics.jsonl", "eval_report.json"):
+        p = train_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()

@@ -47,19 +47,20 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from common.acceptance import ReplayTotals, describe as describe_acceptance
-from common.checkpoint import load_latest, save_checkpoint
-from common.distributed import (DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, close_distributed,
-                                init_distributed, wrap_parallel)
+from common.acceptance import describe as describe_acceptance
+from common.checkpoint import clean_train_dir, load_latest, save_checkpoint, truncate_metrics
+from common.distributed import (DistEnv, NamedSums, barrier, broadcast_object, close_distributed, init_distributed,
+                                wrap_parallel)
+from common.draft_eval import evaluate
 from common.draft_model import ATTENTION_IMPLS, Eagle3DraftModel, build_draft_config
 from common.errors import ConfigError, DataError, PipelineError
 from common.export import export_final
-from common.io import JsonlAppender, atomic_write_json, iter_jsonl, read_json, write_jsonl_atomic
+from common.io import JsonlAppender, atomic_write_json, read_json
 from common.model_loading import load_target_info, load_target_tensors
 from common.optim import build_optimizer, lr_at, set_lr
 from common.run_folder import Layout, StageManifest
 from common.tensorboard import TensorBoard
-from common.train_data import DataPosition, HiddenIndex, TrainData, eval_micro_batches, verify_shard_files
+from common.train_data import DataPosition, HiddenIndex, TrainData, verify_shard_files
 from common.ttt import ttt_loss
 from common.vocab_map import MAP_NAME, load_vocab_map
 
@@ -79,90 +80,8 @@ def resolve_precision(cfg, device: torch.device) -> tuple[torch.dtype, Callable[
     return torch.bfloat16, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def expected_acceptance_length(step_acc: list[float], k: int) -> float:
-    """The product formula tau_k (common.acceptance.product_formula); the replay in the eval report
-    is the better prediction of vLLM."""
-    from common.acceptance import product_formula
-
-    return product_formula(step_acc, k)
-
-
-# ---------------------------------------------------------------------------------------
-# Metrics and the train/ folder
-
-
-def truncate_metrics(path: Path, last_step: int) -> int:
-    """Drop metrics lines after the resumed checkpoint's step (they will be produced again)."""
-    if not path.exists():
-        return 0
-    rows = list(iter_jsonl(path, tolerate_torn_tail=True, strict=False))
-    keep = [r for r in rows if int(r.get("step", 0)) <= last_step]
-    if len(keep) != len(rows) or path.read_bytes()[-1:] not in (b"\n", b""):
-        write_jsonl_atomic(path, keep)
-    return len(rows) - len(keep)
-
-
 def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _clean_train_dir(train_dir: Path) -> None:
-    """--overwrite: remove everything this stage wrote."""
-    for name in ("checkpoints", "tb", "final", ".tmp-final", "metrics.jsonl", "eval_report.json"):
-        p = train_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-
-
-# ---------------------------------------------------------------------------------------
-# Eval
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader, cfg, env: DistEnv, autocast) -> Optional[dict]:
-    """Teacher-forced per-TTT-step accuracy on the eval split, and the implied acceptance length."""
-    mine, per_rank, stand_in = eval_micro_batches(index, cfg.train.batch_max_tokens, env.world_size, env.rank)
-    if per_rank == 0:
-        return None
-    K = cfg.train.ttt_steps
-    # losses weighted by their denominators, so the report is a mean over positions, not batches
-    sums = NamedSums(weighted_loss=1, denominator=1, weighted_step_losses=K, step_correct=K, step_counts=K)
-    # vLLM's rounds replayed over each sample, limited to the tokens 05 lets vLLM generate
-    replay = ReplayTotals(K, max_new_tokens=cfg.evaluate.max_tokens)
-    was_training = model.training
-    model.eval()
-    for mb_samples in mine:
-        # FSDP needs every rank in every forward: a rank short of eval batches reruns one and ignores it.
-        if mb_samples is None and not (env.distributed and cfg.train.parallel == "fsdp"):
-            continue
-        mb = reader.read(mb_samples if mb_samples is not None else stand_in).to(env.device)
-        with autocast():
-            out = ttt_loss(model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
-                           mb.seq_lens, lm_head, K, cfg.train.loss_decay, per_position=True)
-        if mb_samples is None:
-            continue
-        replay.add_packed_row(out.step_hits.cpu().numpy(), mb.loss_mask.reshape(-1).cpu().numpy(), mb.seq_lens)
-        den = out.denominator
-        sums.add(weighted_loss=float(out.loss) * den, denominator=den,
-                 weighted_step_losses=[x * den for x in out.step_losses], step_correct=out.step_correct,
-                 step_counts=out.step_counts)
-    model.train(was_training)
-    totals = sums.all_reduced(env)
-    replay.load_list(all_reduce_sum(torch.tensor(replay.to_list(), dtype=torch.float64), env).tolist())
-    den = max(1.0, float(totals["denominator"]))
-    counts = totals["step_counts"]
-    acc = [float(c) / max(1.0, float(m)) for c, m in zip(totals["step_correct"], counts)]
-    return {
-        "loss": float(totals["weighted_loss"]) / den,
-        "step_losses": [float(x) / den for x in totals["weighted_step_losses"]],
-        "step_acc": acc,
-        "step_counts": [int(c) for c in counts],
-        "tau": {str(k): expected_acceptance_length(acc, k) for k in range(1, K + 1)},
-        "replay": replay.report(),  # the prediction of vLLM's acceptance (common.acceptance)
-        "num_samples": len(index.split_indices("eval")),
-    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,7 +278,7 @@ class Trainer:
         if self.env.is_main:
             try:
                 if overwrite:
-                    _clean_train_dir(self.train_dir)
+                    clean_train_dir(self.train_dir)
                 layout = Layout.of(self.cfg)
                 self.manifest = StageManifest(
                     layout, "04_train",
