@@ -39,11 +39,7 @@ import numpy as np
 
 def product_formula(step_acc: Sequence[float], k: int) -> float:
     """tau_k = 1 + sum_{j=1..k} prod_{i<j} acc_i (reads acc_i as the rate given drafts 0..i-1 accepted)."""
-    tau, run = 1.0, 1.0
-    for acc in list(step_acc)[:k]:
-        run *= acc
-        tau += run
-    return tau
+    return 1.0 + sum(product_per_position(step_acc, k))
 
 
 def product_per_position(step_acc: Sequence[float], k: int) -> list[float]:

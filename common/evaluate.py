@@ -350,6 +350,9 @@ class EvalPaths:
         return cls(d, d / "report.json", d / "report.png", d / "outputs.jsonl", d / "baseline.json", cfg.run_path / "logs",
                    d / "outputs-other.jsonl", d / "baseline-other.json")
 
+    def baseline_of(self, prompt_set: str) -> Path:
+        return self.baseline if prompt_set == HELD_OUT else self.baseline_other
+
 
 # The two prompt sets 05 measures: held-out prompts of the training distribution, and
 # evaluate.other_prompts (another kind, never trained on).
@@ -367,8 +370,7 @@ def prompt_sets(cfg: Config) -> dict[str, list[dict]]:
 def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None, prompt_set: str = HELD_OUT) -> Optional[dict]:
     """The target-alone run of a prompt set (eval/baseline.json, eval/baseline-other.json) if it was
     measured with the current key, else None."""
-    paths = EvalPaths.of(cfg)
-    path = paths.baseline if prompt_set == HELD_OUT else paths.baseline_other
+    path = EvalPaths.of(cfg).baseline_of(prompt_set)
     if not path.is_file():
         return None
     try:
@@ -390,8 +392,7 @@ def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set
     warm_up(cfg, base_url, prompts)
     run = run_prompts(cfg, base_url, prompts, desc="target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})"))
     baseline = {"key": baseline_key(cfg, prompts), "created": time.time(), **run}
-    paths = EvalPaths.of(cfg)
-    atomic_write_json(paths.baseline if prompt_set == HELD_OUT else paths.baseline_other, baseline)
+    atomic_write_json(EvalPaths.of(cfg).baseline_of(prompt_set), baseline)
     return baseline
 
 

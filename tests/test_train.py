@@ -39,7 +39,7 @@ def train_fixture(tmp_path_factory) -> Path:
 
 
 def test_expected_acceptance_length_formula():
-    from common.draft_eval import expected_acceptance_length
+    from common.acceptance import product_formula as expected_acceptance_length
 
     acc = [0.8, 0.5, 0.25]
     # tau_k = 1 + acc0 + acc0*acc1 + acc0*acc1*acc2
@@ -137,7 +137,7 @@ def test_micro_batch_contents_match_shards(train_fixture):
 
 def test_training_learns_and_reports(train_fixture, tmp_path, one_torch_thread):
     from common.config import load_config
-    from common.draft_eval import expected_acceptance_length
+    from common.acceptance import product_formula as expected_acceptance_length
     from common.trainer import run_training
 
     cfg_path = clone_run(train_fixture, tmp_path, max_steps=60, eval_every=30, checkpoint_every=30)
