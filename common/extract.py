@@ -753,8 +753,6 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     from common.distributed import barrier, broadcast_object, close_distributed, init_distributed
     from common.model_loading import load_target_info, torch_dtype
 
-    if cfg.extract.verify not in ("sha256", "size"):
-        raise ConfigError(f"extract.verify must be sha256 or size, got '{cfg.extract.verify}'")
     input_paths(Path(cfg.run_dir))  # a missing train.jsonl is reported before any heavy import
     info = load_target_info(cfg)
     _validate_aux_ids(info.aux_layer_ids)

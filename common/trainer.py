@@ -52,7 +52,7 @@ from common.checkpoint import clean_train_dir, load_latest, save_checkpoint, tru
 from common.distributed import (DistEnv, NamedSums, barrier, broadcast_object, close_distributed, init_distributed,
                                 wrap_parallel)
 from common.draft_eval import evaluate
-from common.draft_model import ATTENTION_IMPLS, Eagle3DraftModel, build_draft_config
+from common.draft_model import Eagle3DraftModel, build_draft_config
 from common.errors import ConfigError, DataError, PipelineError
 from common.export import export_final
 from common.io import JsonlAppender, atomic_write_json, read_json
@@ -139,8 +139,6 @@ class Trainer:
             "d2t": hashlib.sha256(self.d2t.numpy().tobytes()).hexdigest(),
             "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
         })
-        if t.attention_impl not in ATTENTION_IMPLS:
-            raise ConfigError(f"train.attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got '{t.attention_impl}'")
         self.K = t.ttt_steps
         # printed: the served k (05's) and all steps; eval_report.json has every k = 1..ttt_steps
         self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
