@@ -12,11 +12,11 @@ Example:
   python 01_prepare_data.py --config configs/tiny.yaml --set data.max_samples=100
 """
 
-from common.cli import stage_main
+from common.core.cli import stage_main
 
 
 def run(cfg, args) -> int:
-    from common.prepare import output_paths, prepare_prompts, summary_line
+    from common.data.prepare import output_paths, prepare_prompts, summary_line
 
     report = prepare_prompts(cfg, overwrite=args.overwrite)
     prompts_path, _ = output_paths(cfg)

@@ -14,11 +14,11 @@ The API key is read from the environment variable named by generate.api_key_env.
 Rerunning skips finished ids and retries failed ones; Ctrl-C / SIGTERM stop cleanly (exit 130).
 """
 
-from common.cli import stage_main
+from common.core.cli import stage_main
 
 
 def run(cfg, args):
-    from common.generate import run_stage
+    from common.data.generate import run_stage
 
     return run_stage(cfg, overwrite=args.overwrite)
 

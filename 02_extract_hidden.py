@@ -15,11 +15,11 @@ Multi-GPU: `torchrun --nproc_per_node 8 02_extract_hidden.py --config ...` (one 
 k on rank k % 8); a target too big for one GPU: one process, target.device_map=auto shards it.
 """
 
-from common.cli import stage_main
+from common.core.cli import stage_main
 
 
 def run(cfg, args):
-    from common.extract import run_extraction
+    from common.extract.stage import run_extraction
 
     run_extraction(cfg, overwrite=args.overwrite)
     return 0

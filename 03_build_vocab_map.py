@@ -8,11 +8,11 @@ positions of the training split (eval is not counted), sorted by id. Writes, und
 Rerunning with the same inputs says "already complete"; --overwrite rebuilds.
 """
 
-from common.cli import stage_main
+from common.core.cli import stage_main
 
 
 def run(cfg, args):
-    from common.vocab_map import run_vocab_map
+    from common.vocab.vocab_map import run_vocab_map
 
     run_vocab_map(cfg, overwrite=args.overwrite)
     return 0

@@ -13,11 +13,11 @@ steps, last train.keep_checkpoints kept), metrics.jsonl, tb/ (TensorBoard), eval
 Rerunning resumes from the latest checkpoint; --overwrite starts over; a finished run exits 0.
 """
 
-from common.cli import stage_main
+from common.core.cli import stage_main
 
 
 def run(cfg, args):
-    from common.trainer import run_training
+    from common.train.trainer import run_training
 
     return run_training(cfg, overwrite=args.overwrite)
 

@@ -13,7 +13,7 @@ Writes, under run_dir/eval/: report.json, report.png, outputs.jsonl, baseline.js
                                    generation server, which saves one server start)
 """
 
-from common.cli import stage_main
+from common.core.cli import stage_main
 
 
 def add_arguments(parser):
@@ -23,7 +23,7 @@ def add_arguments(parser):
 
 
 def run(cfg, args):
-    from common.evaluate import run_stage
+    from common.evaluate.stage import run_stage
 
     return run_stage(cfg, draft_dir=args.draft, overwrite=args.overwrite, baseline_only=args.baseline_only, base_url=args.base_url)
 

@@ -10,7 +10,7 @@ to the console and to run_dir/logs/<stage>.log; each run's stage timings are app
 run_dir/logs/pipeline_runs.jsonl. Every stage resumes, so rerunning this command
 continues where it stopped; finished stages say "already complete".
 
---tiny-target FAMILY builds the embedded tiny target (common/tiny_target.py, cached under
+--tiny-target FAMILY builds the embedded tiny target (common/demo/tiny_target.py, cached under
 ~/.cache/eagle3-pipeline) and copies it into target.model when that directory does not exist
 yet: what configs/tiny.yaml needs on a fresh machine (scripts/run_demo.sh passes it).
 --server-url URL uses an already running server of the target for 01b instead of starting one.
@@ -126,7 +126,7 @@ def prepare_tiny_target(cfg, family: str, logs: Path) -> str:
         if info_path.is_file():
             have = json.loads(info_path.read_text()).get("family")
             if have != family:
-                from common.errors import ConfigError
+                from common.core.errors import ConfigError
 
                 raise ConfigError(
                     f"target.model {dest} already holds a tiny '{have}' target, not '{family}'; "
@@ -134,7 +134,7 @@ def prepare_tiny_target(cfg, family: str, logs: Path) -> str:
                 )
         return f"target already in place: {dest}"
     # Built (or found) in the cache by a subprocess, so this process stays free of torch.
-    code, out = run_logged("target", [sys.executable, "-m", "common.tiny_target", "--family", family, "--print-path"],
+    code, out = run_logged("target", [sys.executable, "-m", "common.demo.tiny_target", "--family", family, "--print-path"],
                            logs / "target.log")
     if code != 0:
         raise StageFailed("target", code, logs / "target.log")
@@ -150,7 +150,7 @@ def prepare_tiny_target(cfg, family: str, logs: Path) -> str:
 
 
 def check_target(cfg) -> None:
-    from common.errors import ConfigError
+    from common.core.errors import ConfigError
 
     path = cfg.target.model
     local = os.path.isabs(path) or path.startswith(".") or os.path.exists(path)
@@ -166,7 +166,7 @@ def check_target(cfg) -> None:
 
 def generation_pending(cfg) -> bool:
     """True if 01b still has prompts to answer (it needs a server only then)."""
-    from common.generate import Paths, load_done, load_prompts
+    from common.data.generate import Paths, load_done, load_prompts
 
     paths = Paths.of(cfg)
     prompts, _ = load_prompts(paths.prompts)
@@ -177,7 +177,7 @@ def generation_pending(cfg) -> bool:
 
 
 def baseline_pending(cfg) -> bool:
-    from common.evaluate import missing_baselines
+    from common.evaluate.stage import missing_baselines
 
     return bool(missing_baselines(cfg))
 
@@ -186,7 +186,7 @@ def baseline_pending(cfg) -> bool:
 
 
 def last_run(run_dir, stage: str):
-    from common.run_folder import Layout, read_manifest
+    from common.core.run_folder import Layout, read_manifest
 
     return (read_manifest(Layout.of(run_dir), stage) or {}).get("last_run")
 
@@ -195,7 +195,7 @@ STATUS_WORDS = {"already_complete": "already complete", "done": "done", "partial
 
 
 def stage_status(run_dir, stage: str, before) -> str:
-    """What the stage did, as its manifest (common.run_folder) records it: "already complete" or "done"."""
+    """What the stage did, as its manifest (common.core.run_folder) records it: "already complete" or "done"."""
     after = last_run(run_dir, stage)
     if not after or after == before:
         return "done"  # the stage recorded nothing (it has no manifest)
@@ -203,7 +203,7 @@ def stage_status(run_dir, stage: str, before) -> str:
 
 
 def artifact_rows(cfg) -> list[tuple[str, Path]]:
-    from common.run_folder import Layout
+    from common.core.run_folder import Layout
 
     r = Layout.of(cfg)
     return [
@@ -231,7 +231,7 @@ def _size(path: Path) -> str:
         total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     else:
         total = path.stat().st_size
-    from common.io import format_bytes
+    from common.core.io import format_bytes
 
     return format_bytes(total)
 
@@ -247,7 +247,7 @@ def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> Non
         print(f"{label:<26}{_size(path):>9}  {path}")
     report_path = cfg.run_path / "eval" / "report.json"
     if report_path.is_file():
-        from common.evaluate import format_summary
+        from common.evaluate.stage import format_summary
 
         report = json.loads(report_path.read_text())
         print(f"\nmeasured in vLLM: {format_summary(report)}")
@@ -295,7 +295,7 @@ class Pipeline:
         self.current = "01b_generate_synthetic"
         url = self.args.server_url
         if url is None and (generation_pending(self.cfg) or baseline_pending(self.cfg)):
-            from common.evaluate import target_server
+            from common.evaluate.stage import target_server
 
             banner(f"[vllm] starting a vLLM server for {self.cfg.target.model}")
             t0 = time.monotonic()
@@ -331,7 +331,7 @@ class Pipeline:
 
     def record_run(self, outcome: str) -> None:
         """Append this run's stage timings to logs/pipeline_runs.jsonl (one line per run)."""
-        from common.io import JsonlAppender
+        from common.core.io import JsonlAppender
 
         with JsonlAppender(self.logs / "pipeline_runs.jsonl", fsync_every=1) as runs:
             runs.write({
@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-after", choices=STAGES[1:], help="stop after this stage")
     args = parser.parse_args(argv)
 
-    from common.config import load_config
-    from common.errors import PipelineError
+    from common.core.config import load_config
+    from common.core.errors import PipelineError
 
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM cleans up like Ctrl-C
     pipeline = None

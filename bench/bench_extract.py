@@ -66,8 +66,10 @@ def bare_forward_seconds(cfg, model_dir: Path, run_dir: Path, full: bool) -> flo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.extract import find_decoder_stack, make_batches, pad_batch, read_shard_samples
-    from common.model_loading import torch_dtype
+    from common.extract.hf_backend import make_batches
+    from common.extract.stage import read_shard_samples
+    from common.target.hf_forward import find_decoder_stack, pad_batch
+    from common.target.loading import torch_dtype
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(cfg.target.dtype)).eval()
     stack = find_decoder_stack(model, model.config.num_hidden_layers)
@@ -88,9 +90,9 @@ def bare_forward_seconds(cfg, model_dir: Path, run_dir: Path, full: bool) -> flo
 def bench_one(root: Path, name: str, spec: dict, args) -> dict:
     import torch
 
-    from common.config import config_from_dict
-    from common.extract import bytes_per_token, run_extraction
-    from common.model_loading import torch_dtype
+    from common.core.config import config_from_dict
+    from common.extract.stage import bytes_per_token, run_extraction
+    from common.target.loading import torch_dtype
 
     model_dir, run_dir = build(root, name, spec, torch_dtype(args.target_dtype))
     cfg = config_from_dict({
@@ -124,9 +126,9 @@ def bench_one(root: Path, name: str, spec: dict, args) -> dict:
 
 def bench_backends(root: Path, name: str, spec: dict, args) -> dict:
     """One run of each backend over the same samples (same plan, same shards)."""
-    from common.config import config_from_dict
-    from common.extract import run_extraction
-    from common.model_loading import torch_dtype
+    from common.core.config import config_from_dict
+    from common.extract.stage import run_extraction
+    from common.target.loading import torch_dtype
 
     model_dir, run_dir = build(root, name, spec, torch_dtype(args.target_dtype))
     row = {"config": name, "hidden": spec["hidden_size"], "layers": spec["num_hidden_layers"]}

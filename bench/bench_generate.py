@@ -9,7 +9,7 @@ timestamps every arrival and answer, which gives the number of requests it holds
 Clients, for each concurrency (default 128 and 512), one after the other against the same server:
   bare   the reference: httpx2.AsyncClient, `concurrency` tasks POSTing the same JSON body and
          parsing the JSON answer, nothing else;
-  01b    common.generate.Generator, the stage's own loop (openai-python AsyncOpenAI with our
+  01b    common.data.generate.Generator, the stage's own loop (openai-python AsyncOpenAI with our
          connection limits, retry accounting, one JSONL append per sample, the progress bar).
 Two measurements per client:
   instant   latency 0: requests/s, client CPU time per request (this process's user+sys CPU over
@@ -186,9 +186,9 @@ async def run_bare(base_url: str, items: list[dict], concurrency: int) -> None:
 
 
 async def run_01b(base_url: str, items: list[dict], concurrency: int, out_dir: Path) -> dict:
-    from common.config import config_from_dict
-    from common.generate import Generator, make_clients
-    from common.io import JsonlAppender
+    from common.core.config import config_from_dict
+    from common.data.generate import Generator, make_clients
+    from common.core.io import JsonlAppender
 
     cfg = config_from_dict({"run_dir": str(out_dir), "generate": {
         "base_url": base_url, "concurrency": concurrency, "timeout_s": 600, "max_retries": 0, "max_tokens": 256}})

@@ -1,8 +1,8 @@
 """Benchmark stage 04's training step: the efficient TTT attention vs the naive full-mask reference.
 
 One training step = ttt_loss (teacher from final hidden + unrolled TTT forward) + backward +
-AdamW step, on one packed row of synthetic hidden states, exactly as common.trainer runs it.
-Two draft attention implementations (common.draft_model):
+AdamW step, on one packed row of synthetic hidden states, exactly as common.train.trainer runs it.
+Two draft attention implementations (common.model.draft):
   chunked  the default: block-causal scores against the step-0 keys plus one elementwise
            "diagonal" score per earlier TTT step, query chunks checkpointed;
   naive    the reference: plain attention over the concatenated [k_0 | k_1 | ... | k_i] with the
@@ -37,8 +37,8 @@ def rss_bytes() -> int:
 def worker(args) -> dict:
     import torch
 
-    from common.draft_model import DraftModelConfig, Eagle3DraftModel
-    from common.ttt import ttt_loss
+    from common.model.draft import DraftModelConfig, Eagle3DraftModel
+    from common.model.ttt import ttt_loss
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Stage-04 training throughput on a GPU: tokens/s, MFU and peak memory of the real TTT training step.
 
-What runs is exactly 04's inner step (common.trainer): the EAGLE-3 draft (common.draft_model,
-fp32 master weights, frozen target embedding inside), the TTT loss (common.ttt.ttt_loss) under
+What runs is exactly 04's inner step (common.train.trainer): the EAGLE-3 draft (common.model.draft,
+fp32 master weights, frozen target embedding inside), the TTT loss (common.model.ttt.ttt_loss) under
 bf16 autocast with the target lm_head in bf16 as the teacher, backward, grad-norm clipping and
 the AdamW step (foreach on GPU, as 04). The inputs are synthetic (random hidden states of the right shapes: the speed
 does not depend on their values): one packed row per micro-batch holding one sample of
@@ -83,7 +83,7 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
 
 
 def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator):
-    """One packed row with one sample: what common.train_data hands the trainer (bf16 states)."""
+    """One packed row with one sample: what common.train.data hands the trainer (bf16 states)."""
     H, V = spec["hidden"], spec["vocab"]
     aux = torch.randn(seq_len, 3 * H, generator=gen, device=device, dtype=torch.bfloat16)
     final = torch.randn(seq_len, H, generator=gen, device=device, dtype=torch.bfloat16)
@@ -96,8 +96,8 @@ def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator):
 def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_checkpointing: bool, attention: str):
     """The draft as 04 builds it (fp32 master weights, frozen embedding, vocab map), the bf16 teacher
     lm_head, and 04's AdamW (two groups, foreach on GPU)."""
-    from common.draft_model import DraftModelConfig, Eagle3DraftModel
-    from common.optim import build_optimizer
+    from common.model.draft import DraftModelConfig, Eagle3DraftModel
+    from common.train.optim import build_optimizer
 
     H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
     cfg = DraftModelConfig(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
@@ -119,7 +119,7 @@ def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_check
 
 
 def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
-    from common.ttt import ttt_loss
+    from common.model.ttt import ttt_loss
 
     gen = torch.Generator(device=device).manual_seed(0)
     if device.type == "cuda":
@@ -179,7 +179,7 @@ def check_flop_formula() -> str:
     attention, whose dense masked scores are counted in full), so the non-attention terms must match exactly."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from common.ttt import ttt_loss
+    from common.model.ttt import ttt_loss
 
     spec, T, K = CONFIGS["smoke-a"], 96, 3
     gen = torch.Generator().manual_seed(0)

@@ -1,12 +1,12 @@
 """Write the embedded sample dataset, data/sample_prompts.jsonl.
 
 The rows come from the same deterministic generator as the tiny target's training corpus
-(common/tiny_target.py), so the prompts the embedded pipeline sends are in the target's
+(common/demo/tiny_target.py), so the prompts the embedded pipeline sends are in the target's
 distribution. The file mixes the two shapes stage 01 reads (ShareGPT `conversations` and
 OpenAI `messages`), with some multi-turn rows and some system prompts.
 
     python scripts/make_sample_data.py [--n 400] [--seed 0] [--out data/sample_prompts.jsonl]
-    python scripts/make_sample_data.py --other      # data/other_prompts.jsonl (common/other_prompts.py):
+    python scripts/make_sample_data.py --other      # data/other_prompts.jsonl (common/demo/other_prompts.py):
                                                     # prompts of another kind, for 05 only, never training
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.io import write_jsonl_atomic  # noqa: E402
-from common.other_prompts import other_prompt_rows  # noqa: E402
-from common.tiny_target import sample_prompt_rows  # noqa: E402
+from common.core.io import write_jsonl_atomic  # noqa: E402
+from common.demo.other_prompts import other_prompt_rows  # noqa: E402
+from common.demo.tiny_target import sample_prompt_rows  # noqa: E402
 
 
 def main() -> int:

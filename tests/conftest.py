@@ -1,10 +1,12 @@
 """Shared pytest fixtures.
 
-- tiny_target_dir (session): the cached, briefly trained tiny Llama target (common/tiny_target.py);
+- tiny_target_dir (session): the cached, briefly trained tiny Llama target (common/demo/tiny_target.py);
   EAGLE3_TINY_TARGET_DIR=DIR uses an already built one instead.
 - vllm_server (session): one real vLLM server on the tiny target for the whole test session,
   on a free loopback port, with the <think> reasoning parser; stopped at the end. Tests that use
   it must be marked `vllm`.
+- hidden_run (session): helpers.build_run's data set (target, tokenized data, hidden states,
+  vocab map), built once and cloned by the tests that train on it.
 - run_dir: a fresh run directory; write_config: writes a config YAML for a test run.
 - build_chat_tokenizer / build_slow_chat_tokenizer: small tokenizers with a given chat template
   (fast; or slow remote code, the shape of Kimi-K2.5's); KIMI_LIKE_TEMPLATE.
@@ -32,14 +34,14 @@ def tiny_target_dir() -> Path:
     # EAGLE3_TINY_TARGET_DIR points the tests at an already built target (debugging, CI caches).
     if os.environ.get("EAGLE3_TINY_TARGET_DIR"):
         return Path(os.environ["EAGLE3_TINY_TARGET_DIR"])
-    from common.tiny_target import ensure_tiny_target
+    from common.demo.tiny_target import ensure_tiny_target
 
     return ensure_tiny_target("llama")
 
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_target_dir, tmp_path_factory):
-    from common.vllm_server import VllmServer
+    from common.serving.vllm_server import VllmServer
 
     log_dir = tmp_path_factory.mktemp("vllm-server")
     server = VllmServer(
@@ -74,7 +76,7 @@ def build_chat_tokenizer(out_dir, template: str | None = None, special=("<|endof
     from transformers import PreTrainedTokenizerFast
 
     if template is None:
-        from common.tiny_target import CHAT_TEMPLATE as template
+        from common.demo.tiny_target import CHAT_TEMPLATE as template
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -197,6 +199,15 @@ def build_slow_chat_tokenizer(out_dir, template: str | None = None, special=("<|
     config["auto_map"] = {"AutoTokenizer": ["slow_bpe_tokenizer.SlowBPETokenizer", None]}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def hidden_run(tmp_path_factory) -> Path:
+    """tests/helpers.build_run, built once: tiny target, tokenized data, hidden states, vocab map.
+    Returns its config; tests copy it (helpers.clone_run) and never write into it."""
+    from tests.helpers import build_run
+
+    return build_run(tmp_path_factory.mktemp("hidden-run"))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,9 +118,9 @@ def build_run(root: Path, n_train: int = 64, n_eval: int = 16) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from common.config import load_config
-    from common.extract import run_extraction
-    from common.io import write_jsonl_atomic
+    from common.core.config import load_config
+    from common.extract.stage import run_extraction
+    from common.core.io import write_jsonl_atomic
 
     target = make_target(root / "target")
     run_dir = root / "run"
@@ -284,3 +285,41 @@ class FakeVllm(LocalHttpServer):
                  f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(c['accepted'])}"]
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {float(v)}' for i, v in enumerate(c["pos"])]
         return "\n".join(lines) + "\n"
+
+
+# ---- running stages and checking their errors
+
+
+def run_stage(script: str, cfg: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / script), "--config", str(cfg), *args], cwd=REPO,
+                          env=env or train_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(res, *fragments: str) -> str:
+    """Exit 2, no traceback, and exactly one 'error:' line, the last of stderr; returns the line.
+    `res` is a subprocess.CompletedProcess or anything with .rc, .stdout and .stderr."""
+    code = res.returncode if hasattr(res, "returncode") else res.rc
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert code == 2, (code, res.stdout[-2000:], res.stderr[-3000:])
+    lines = [line for line in res.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], res.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]
+
+
+HOLDER = """
+import sys, time
+from common.core.run_folder import stage_lock
+with stage_lock(sys.argv[1], sys.argv[2]):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def hold_lock(run_dir: Path, stage: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), stage], cwd=REPO, env=train_env(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc

@@ -1,0 +1,492 @@
+"""The run configuration: one YAML file per run, validated against typed dataclasses.
+
+`load_config(path, overrides)` reads the YAML, applies `--set a.b=value` overrides (the value
+is parsed as YAML, so `--set train.lr=1e-4` and `--set target.aux_layer_ids=[1,2,3]` work),
+and checks every key and type. Unknown keys name the closest valid key. Relative paths in
+the file are resolved against the directory of the YAML file, so a config works from any cwd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import yaml
+
+from common.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed numeric range of a config key, written into its type: `Annotated[int, Range(ge=1)]`.
+    Checked once, when the config is loaded."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+
+    def check(self, value: Any, key: str) -> None:
+        for bound, ok, words in ((self.ge, lambda v, b: v >= b, ">="), (self.gt, lambda v, b: v > b, ">"),
+                                 (self.le, lambda v, b: v <= b, "<="), (self.lt, lambda v, b: v < b, "<")):
+            if bound is not None and not ok(value, bound):
+                raise ConfigError(f"config key '{key}' must be {self.describe()}, got {value!r}")
+
+    def describe(self) -> str:
+        low = f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}" if self.gt is not None else None
+        high = f"<= {self.le:g}" if self.le is not None else f"< {self.lt:g}" if self.lt is not None else None
+        return " and ".join(x for x in (low, high) if x)
+
+
+Positive = Range(ge=1)  # counts, sizes, intervals
+NonNegative = Range(ge=0)
+Fraction = Range(ge=0, le=1)
+TorchDtype = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass
+class TargetConfig:
+    model: str = ""  # local directory or hub id of the target model
+    tokenizer: Optional[str] = None  # defaults to `model`
+    # Aux layer ids in vLLM's convention (id k = residual stream after k decoder layers).
+    # null = vLLM's default (2, N//2, N-3).
+    aux_layer_ids: Optional[list[int]] = None
+    trust_remote_code: bool = False
+    dtype: TorchDtype = "bfloat16"  # dtype the target runs in during extraction
+    # How 02 places the target: auto | single (one GPU per process) | any transformers
+    # device_map ("balanced", "sequential") to shard a target too big for one GPU.
+    device_map: str = "auto"
+
+
+@dataclass
+class DataConfig:
+    source: str = ""  # local .json/.jsonl/.parquet file or directory, or a `datasets` hub name
+    split: str = "train"  # split of a hub dataset
+    subset: Optional[str] = None  # hub dataset config name
+    max_samples: Optional[Annotated[int, Positive]] = None
+    eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05
+    seed: int = 0
+    system_prompt: Optional[str] = None  # prepended to every prompt that has none
+    max_user_turns: Annotated[int, Positive] = 1  # user turns kept per prompt; 01b answers them one by one
+    dedupe: bool = True
+
+
+@dataclass
+class GenerateConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: Optional[str] = None  # served model name; null = the first one the server lists
+    api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the API key
+    concurrency: Annotated[int, Positive] = 128
+    timeout_s: Annotated[float, Range(gt=0)] = 3600.0  # per request; must exceed the longest generation
+    max_retries: Annotated[int, NonNegative] = 8
+    backoff_initial_s: Annotated[float, NonNegative] = 1.0
+    backoff_max_s: Annotated[float, NonNegative] = 60.0
+    max_tokens: Annotated[int, Positive] = 2048
+    temperature: Annotated[float, NonNegative] = 0.6
+    top_p: Annotated[float, Range(gt=0, le=1)] = 0.95
+    fsync_every: Annotated[int, Positive] = 32  # results per fsync of raw_responses.jsonl
+    enable_thinking: Optional[bool] = None  # passed as chat_template_kwargs when set
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
+    # 01b fails (exit 2, nothing tokenized) when more than this share of the prompts failed every retry.
+    max_failure_fraction: Annotated[float, Fraction] = 0.1
+
+
+@dataclass
+class TokenizeConfig:
+    max_seq_len: Annotated[int, Range(ge=8)] = 2048
+    # What to do with samples longer than max_seq_len: "truncate" or "drop".
+    overlong: Literal["truncate", "drop"] = "truncate"
+    # Where 01b takes a sample's token ids from: "template" re-renders the stored conversation
+    # with the tokenizer's chat template (loss on every assistant turn); "server" asks vLLM for
+    # the exact ids (`return_token_ids`, vLLM >= 0.10): the last turn's prompt ids (loss 0) +
+    # its completion ids (loss 1). "server" is needed when the template cannot reproduce what
+    # the model generated (e.g. Kimi-K2.5 strips the reasoning of the turn it renders).
+    token_ids_from: Literal["template", "server"] = "template"
+
+
+@dataclass
+class ExtractConfig:
+    dtype: TorchDtype = "bfloat16"  # dtype of stored hidden states
+    batch_max_tokens: Annotated[int, Positive] = 16384  # tokens per forward batch (token budget, not sample count)
+    shard_max_tokens: Annotated[int, Positive] = 262144  # tokens per output shard
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    min_free_disk_gb: Annotated[float, NonNegative] = 1.0  # head-room kept free on top of the estimate
+    verify: Literal["sha256", "size"] = "sha256"  # how a rerun checks existing shards: sha256 (full read) | size (fast, huge runs)
+    # Who runs the target: vllm (its extract_hidden_states method: TP/EP, quantized MoE kernels, MLA),
+    # hf (transformers + hooks: the reference, and for targets vLLM cannot run); auto = vllm where installed.
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    tensor_parallel_size: Annotated[int, Positive] = 1  # vllm backend
+    data_parallel_size: Annotated[int, Positive] = 1  # vllm backend: engine copies, one process each (MoE targets)
+    enable_expert_parallel: bool = False  # vllm backend: experts split over the TP x DP GPUs instead of TP-sliced
+    gpu_memory_utilization: Optional[Annotated[float, Range(gt=0, le=1)]] = None  # vllm backend; null = 0.9 GPU, 0.3 CPU
+
+
+@dataclass
+class VocabConfig:
+    draft_vocab_size: Annotated[int, Positive] = 32000
+
+
+@dataclass
+class DraftConfig:
+    # null = same as the target.
+    hidden_size: Optional[Annotated[int, Positive]] = None
+    intermediate_size: Optional[Annotated[int, Positive]] = None
+    num_attention_heads: Optional[Annotated[int, Positive]] = None
+    num_key_value_heads: Optional[Annotated[int, Positive]] = None
+    head_dim: Optional[Annotated[int, Positive]] = None
+    num_hidden_layers: Annotated[int, Positive] = 1
+    rope_theta: Optional[Annotated[float, Range(gt=0)]] = None
+    rms_norm_eps: Optional[Annotated[float, Range(gt=0)]] = None
+    norm_before_residual: bool = False
+    max_position_embeddings: Optional[Annotated[int, Positive]] = None
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: Annotated[int, Positive] = 7
+    loss_decay: Annotated[float, Range(gt=0, le=1)] = 0.8
+    max_steps: Optional[Annotated[int, Positive]] = None  # optimizer steps; null = epochs * steps per epoch
+    epochs: Annotated[int, Positive] = 10
+    lr: Annotated[float, Range(gt=0)] = 1e-4
+    min_lr: Annotated[float, NonNegative] = 0.0
+    warmup_ratio: Annotated[float, Fraction] = 0.015
+    weight_decay: Annotated[float, NonNegative] = 0.0
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.95])  # AdamW beta1, beta2
+    grad_clip: Annotated[float, NonNegative] = 0.5  # 0 = no clipping
+    batch_max_tokens: Annotated[int, Positive] = 8192  # tokens per micro-batch per process
+    grad_accum: Annotated[int, Positive] = 1
+    gradient_checkpointing: bool = False
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    checkpoint_every: Annotated[int, Positive] = 500
+    keep_checkpoints: Annotated[int, Positive] = 3
+    eval_every: Annotated[int, NonNegative] = 500  # 0 = only at the end
+    log_every: Annotated[int, Positive] = 10
+    seed: int = 0
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    num_workers: Annotated[int, NonNegative] = 0  # background threads reading the next micro-batches from the shards
+    attention_impl: Literal["chunked", "flex", "naive"] = "chunked"  # TTT attention: chunked (exact, low memory) | flex (CUDA, compiled) | naive (reference)
+    init_lm_head: Literal["random", "target"] = "random"  # target: the target's lm_head rows of the draft vocab
+    # the loss's denominator: step-0 positions with a loss (counted) or every token of the step, as the
+    # official EAGLE-3 code's mean over all positions (all_tokens)
+    loss_normalization: Literal["counted", "all_tokens"] = "counted"
+
+
+@dataclass
+class EvaluateConfig:
+    num_prompts: Annotated[int, Positive] = 64
+    num_speculative_tokens: Annotated[int, Positive] = 3
+    max_tokens: Annotated[int, Positive] = 256
+    temperature: Annotated[float, NonNegative] = 0.0
+    concurrency: Annotated[int, Positive] = 16
+    # a second prompt set of another kind than the training data (never a data.source): 05 measures it too
+    other_prompts: Optional[str] = None
+    # also replay vLLM's rounds over the exact outputs vLLM served (loads the target in transformers: for small targets)
+    replay_served: bool = False
+
+
+@dataclass
+class ServerConfig:
+    """How the pipeline starts vLLM itself (demo, evaluation, tests)."""
+
+    port: Annotated[int, Range(ge=0, le=65535)] = 0  # 0 = pick a free loopback port
+    tensor_parallel_size: Annotated[int, Positive] = 1
+    max_model_len: Annotated[int, Positive] = 4096
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.9
+    enforce_eager: bool = False
+    startup_timeout_s: Annotated[float, Range(gt=0)] = 900.0
+    extra_args: list[str] = field(default_factory=list)
+    reasoning_parser: Optional[str] = None
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Keys whose values are filesystem paths, resolved relative to the YAML file's directory.
+# A value that does not exist locally is left as is (it may be a hub id).
+_PATH_KEYS = {("run_dir",), ("target", "model"), ("target", "tokenizer"), ("data", "source"), ("evaluate", "other_prompts")}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_value(value: Any, tp: Any, key: str) -> Any:
+    """Check (and lightly coerce) `value` against the annotation `tp` (ranges and choices included)."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *extras = typing.get_args(tp)
+        value = _check_value(value, base, key)
+        for extra in extras:
+            if isinstance(extra, Range):
+                extra.check(value, key)
+        return value
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, choices))}, got {value!r}{hint}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_value(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        return [_check_value(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+    raise ConfigError(f"config key '{key}': unsupported type {_type_name(tp)}")
+
+
+# Names people bring from other trainers, and the key they mean here.
+KEY_ALIASES = {"learning_rate": "lr", "num_epochs": "epochs", "steps": "max_steps", "gradient_accumulation_steps": "grad_accum",
+               "max_grad_norm": "grad_clip", "warmup": "warmup_ratio", "num_draft_tokens": "num_speculative_tokens"}
+
+
+def closest_key(name: str, valid: list[str]) -> Optional[str]:
+    """The valid key of this section a mistyped `name` most likely means: a known alias, else the
+    closest spelling (difflib), else one that shares a word with it; None if nothing is close."""
+    alias = KEY_ALIASES.get(name.lower())
+    if alias in valid:
+        return alias
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    words = set(name.lower().split("_"))
+    sharing = [v for v in valid if words & set(v.split("_"))]
+    if len(sharing) == 1:
+        return sharing[0]
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        where = f"section '{prefix.rstrip('.')}'" if prefix else "the config file"
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = closest_key(str(key), list(fields))
+            valid = [f"{prefix}{name}" for name in fields]
+            hint = f"; did you mean '{prefix}{close}'?" if close else f"; valid keys here: {', '.join(valid)}"
+            raise ConfigError(f"unknown config key '{full}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{full}.")
+        else:
+            kwargs[key] = _check_value(value, tp, full)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", parsed value). The value is read as YAML (`null`, `[1,2]`, `0.5`), and
+    exponent numbers without a dot (`1e-4`), which YAML 1.1 reads as strings, are floats."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects KEY=VALUE (for example train.lr=1e-4), got '{text}'")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got '{text}' with an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    return key, value
+
+
+def _resolve_paths(tree: dict, base: Path) -> None:
+    for path_key in _PATH_KEYS:
+        node = tree
+        for part in path_key[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if not isinstance(node, dict):
+            continue
+        value = node.get(path_key[-1])
+        if not isinstance(value, str) or not value or os.path.isabs(value):
+            continue
+        value = os.path.expanduser(value)
+        candidate = (base / value).resolve()
+        # run_dir is always a path; the others only when they exist (else: hub id).
+        if path_key == ("run_dir",) or candidate.exists() or value.startswith("."):
+            node[path_key[-1]] = str(candidate)
+
+
+def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | None = None) -> Config:
+    tree = dict(tree or {})
+    tree = yaml.safe_load(yaml.safe_dump(tree))  # deep copy with plain types
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    if base_dir is not None:
+        _resolve_paths(tree, base_dir)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"config key '{key}' appears twice in one section of {self.name} (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); keep one of them"
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}; pass --config configs/<run>.yaml")
+    try:
+        loader = _UniqueKeyLoader(path.read_text(encoding="utf-8"))
+        loader.name = str(path)  # named in the duplicate-key error
+        try:
+            tree = loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e}); save it as UTF-8") from None
+    if tree is not None and not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must contain a mapping of sections, got {type(tree).__name__}")
+    # Overrides are resolved relative to the cwd, file values relative to the file.
+    cfg_file = config_from_dict(tree or {}, [], base_dir=path.resolve().parent)
+    if not overrides:
+        return cfg_file
+    return config_from_dict(cfg_file.to_dict(), overrides, base_dir=Path.cwd())
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that types alone cannot express."""
+    _require(bool(cfg.run_dir), "run_dir must be set (the directory every stage writes under)")
+    ids = cfg.target.aux_layer_ids
+    if ids is not None:
+        _require(len(ids) >= 1, "target.aux_layer_ids must list at least one layer id, or be null for the default")
+        _require(
+            len(set(ids)) == len(ids),
+            f"target.aux_layer_ids has duplicated ids {ids}; vLLM collapses duplicates, so give distinct ids",
+        )
+        _require(all(i >= 0 for i in ids), f"target.aux_layer_ids must be >= 0, got {ids}")
+    # Single values are checked by their types (Literal choices, Range bounds) in _check_value.
+    g = cfg.generate
+    _require(g.backoff_max_s >= g.backoff_initial_s,
+             f"generate.backoff_max_s ({g.backoff_max_s:g}) must be >= generate.backoff_initial_s ({g.backoff_initial_s:g})")
+    t = cfg.train
+    _require(len(t.betas) == 2, f"train.betas must have two values, got {t.betas}")
+    _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr:g}) must be <= train.lr ({t.lr:g})")
+
+
+def api_key_from_env(cfg: Config) -> str:
+    """The API key for the generation server. Never logged."""
+    return os.environ.get(cfg.generate.api_key_env) or "EMPTY"

@@ -1,0 +1,401 @@
+"""The run folder contract: where every artifact lives, when a stage is complete, who may write.
+
+Three things every stage shares (docs/design.md#run-folder):
+
+- `Layout`: every artifact path under run_dir, in one place.
+- `StageManifest`: run_dir/stages/<stage>.json records what a stage's outputs were made from
+  (its inputs with sha256 content fingerprints, the settings that shape the outputs) and its
+  state ("running" until the outputs are whole, then "complete"), plus what the last run did
+  ("done", "already_complete", "partial", "failed"), which run_pipeline.py reads. A rerun whose
+  inputs or settings differ is an error that names them and suggests --overwrite (never a silent
+  mix), unless the stage declares that a change only means "redo" (it rewrites those outputs
+  whole, e.g. 01b retokenizes after a tokenize.* change).
+- `stage_lock`: an exclusive flock on run_dir/stages/<stage>.lock, held for the stage's life.
+  The OS releases it when the process dies (SIGKILL included), so a lock is never stale; a
+  second copy fails at once with the holder's pid.
+
+Fingerprints are sha256 of file contents, cached in run_dir/stages/hashes.json by (path, size,
+mtime_ns) so a multi-GB input is read once. Shards are fingerprinted through hidden/index.json,
+which holds each shard's sha256: hashing the index covers terabytes without reading them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from common.core.errors import ConfigError, DataError, PipelineError
+from common.core.io import atomic_write_json, file_sha256
+
+STAGES_DIR = "stages"
+HASH_CACHE = "hashes.json"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every artifact path of a run (README "Artifacts")."""
+
+    run_dir: Path
+
+    @classmethod
+    def of(cls, cfg_or_dir) -> "Layout":
+        run_dir = getattr(cfg_or_dir, "run_dir", cfg_or_dir)
+        return cls(Path(run_dir))
+
+    # 01 / 01b
+    @property
+    def data(self) -> Path:
+        return self.run_dir / "data"
+
+    @property
+    def prompts(self) -> Path:
+        return self.data / "prompts.jsonl"
+
+    @property
+    def prepare_report(self) -> Path:
+        return self.data / "prepare_report.json"
+
+    @property
+    def raw_responses(self) -> Path:
+        return self.data / "raw_responses.jsonl"
+
+    @property
+    def failed(self) -> Path:
+        return self.data / "failed.jsonl"
+
+    @property
+    def train_jsonl(self) -> Path:
+        return self.data / "train.jsonl"
+
+    @property
+    def eval_jsonl(self) -> Path:
+        return self.data / "eval.jsonl"
+
+    @property
+    def generate_report(self) -> Path:
+        return self.data / "generate_report.json"
+
+    # 02
+    @property
+    def hidden(self) -> Path:
+        return self.run_dir / "hidden"
+
+    @property
+    def hidden_index(self) -> Path:
+        return self.hidden / "index.json"
+
+    @property
+    def hidden_plan(self) -> Path:
+        return self.hidden / "plan.json"
+
+    # 03
+    @property
+    def vocab(self) -> Path:
+        return self.run_dir / "vocab"
+
+    @property
+    def vocab_map(self) -> Path:
+        return self.vocab / "vocab_map.safetensors"
+
+    @property
+    def vocab_report(self) -> Path:
+        return self.vocab / "report.json"
+
+    # 04
+    @property
+    def train(self) -> Path:
+        return self.run_dir / "train"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.train / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.train / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.train / "tb"
+
+    @property
+    def train_eval_report(self) -> Path:
+        return self.train / "eval_report.json"
+
+    @property
+    def final(self) -> Path:
+        return self.train / "final"
+
+    # 05
+    @property
+    def eval(self) -> Path:
+        return self.run_dir / "eval"
+
+    @property
+    def eval_report(self) -> Path:
+        return self.eval / "report.json"
+
+    @property
+    def eval_plot(self) -> Path:
+        return self.eval / "report.png"
+
+    @property
+    def eval_outputs(self) -> Path:
+        return self.eval / "outputs.jsonl"
+
+    @property
+    def baseline(self) -> Path:
+        return self.eval / "baseline.json"
+
+    # bookkeeping
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def stages(self) -> Path:
+        return self.run_dir / STAGES_DIR
+
+    def manifest(self, stage: str) -> Path:
+        return self.stages / f"{stage}.json"
+
+    def lock(self, stage: str) -> Path:
+        return self.stages / f"{stage}.lock"
+
+
+# ---------------------------------------------------------------------------------------------
+# Content fingerprints
+# ---------------------------------------------------------------------------------------------
+
+
+def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (of a directory: of its files' relative names and hashes).
+
+    Cached in stages/hashes.json by (absolute path, size, mtime_ns): a rewritten file gets a new
+    mtime and is hashed again; an unchanged multi-GB file is read once.
+    """
+    path = Path(path)
+    if path.is_dir():
+        import hashlib
+
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")):
+            h.update(f"{f.relative_to(path)}\0{content_fingerprint(layout, f)}\n".encode())
+        return h.hexdigest()
+    st = path.stat()
+    key = str(path.resolve())
+    stamp = [st.st_size, st.st_mtime_ns]
+    cache = _read_hash_cache(layout)
+    hit = cache.get(key)
+    if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("sha256"), str):
+        return hit["sha256"]
+    digest = file_sha256(path)
+    cache = _read_hash_cache(layout)  # another stage may have added entries meanwhile
+    cache[key] = {"stamp": stamp, "sha256": digest}
+    # Keep the cache small: entries of files that are gone are dropped.
+    _write_hash_cache(layout, {k: v for k, v in cache.items() if os.path.exists(k)})
+    return digest
+
+
+def _write_hash_cache(layout: Layout, cache: dict) -> None:
+    """Replace the cache file. Several processes may write it at once (ranks, stages running side
+    by side), so each uses its own temp file (common.core.io.atomic_path would delete the others');
+    the last writer wins, and a lost entry is only hashed again."""
+    import tempfile
+
+    try:
+        layout.stages.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{HASH_CACHE}.", dir=layout.stages)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cache, f)
+        os.replace(tmp, layout.stages / HASH_CACHE)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EROFS, errno.ENOSPC, errno.ENOENT):
+            raise
+
+
+def _read_hash_cache(layout: Layout) -> dict:
+    try:
+        data = json.loads((layout.stages / HASH_CACHE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage manifest
+# ---------------------------------------------------------------------------------------------
+
+
+COMPLETE, RUNNING = "complete", "running"
+
+
+class StageManifest:
+    """run_dir/stages/<stage>.json. Typical use in a stage:
+
+        manifest = StageManifest(layout, "03_build_vocab_map",
+                                 inputs={"data/train.jsonl": layout.train_jsonl},
+                                 settings={"draft_vocab_size": ...})
+        status = manifest.begin(overwrite)      # "complete" | "resume" | "fresh"; raises on a mismatch
+        if status == "complete": ...say so, manifest.record("already_complete"), return
+        ...work (resuming partial outputs when status == "resume")...
+        manifest.complete(result)               # last: the outputs are whole
+    """
+
+    def __init__(self, layout: Layout, stage: str, inputs: dict[str, str | os.PathLike] | None = None,
+                 settings: dict | None = None, redo_on: Iterable[str] = ()):
+        """inputs: {name: path (hashed here) or a precomputed fingerprint string}. redo_on: input
+        names or setting keys whose change means "redo those outputs" instead of an error."""
+        self.layout, self.stage = layout, stage
+        self.path = layout.manifest(stage)
+        self.inputs = {name: (value if isinstance(value, str) else content_fingerprint(layout, value))
+                       for name, value in (inputs or {}).items()}
+        self.settings = json.loads(json.dumps(settings or {}, sort_keys=True, default=str))
+        self.redo_on = set(redo_on)
+        self.previous = read_manifest(layout, stage)
+
+    # -- deciding
+    def changes(self) -> tuple[list[str], list[str]]:
+        """(changes that are an error, changes that mean redo) against the previous manifest."""
+        if self.previous is None:
+            return [], []
+        old_inputs, old_settings = self.previous.get("inputs") or {}, self.previous.get("settings") or {}
+        changed = [name for name in sorted(set(old_inputs) | set(self.inputs)) if old_inputs.get(name) != self.inputs.get(name)]
+        changed += [key for key in sorted(set(old_settings) | set(self.settings)) if old_settings.get(key) != self.settings.get(key)]
+        return [c for c in changed if c not in self.redo_on], [c for c in changed if c in self.redo_on]
+
+    def mismatch_error(self, changed: list[str]) -> PipelineError:
+        """DataError when an input file changed, ConfigError when only settings did."""
+        old_settings = (self.previous or {}).get("settings") or {}
+        old_inputs = (self.previous or {}).get("inputs") or {}
+        parts, inputs_changed = [], False
+        for c in changed:
+            if c in self.inputs or c in old_inputs:
+                inputs_changed = True
+                parts.append(f"{c} changed" if c in self.inputs and c in old_inputs else
+                             f"{c} is new" if c in self.inputs else f"{c} is gone")
+            else:
+                parts.append(f"{c}: {json.dumps(old_settings.get(c))} -> {json.dumps(self.settings.get(c))}")
+        return (DataError if inputs_changed else ConfigError)(
+            f"{self.stage}: the outputs in {self.layout.run_dir} were made from other inputs or settings ({'; '.join(parts)}); "
+            f"rerun {self.stage}.py with --overwrite to rebuild them (and the stages after it), or restore the old ones"
+        )
+
+    def begin(self, overwrite: bool, outputs: Iterable[os.PathLike] = (), started: bool | None = None) -> str:
+        """"complete", "resume" (partial outputs made from the same inputs) or "fresh".
+
+        Raises the mismatch error when the outputs were made from other inputs or settings.
+        With overwrite the previous record is dropped (the stage deletes its outputs). A complete
+        record whose `outputs` are not all there any more (deleted by hand) means "resume".
+        started: whether any output exists to be mixed with (default: any of `outputs` exists);
+        when nothing was written yet, an earlier attempt's record does not bind this run.
+        """
+        outputs = list(outputs)
+        if started is None:
+            started = any(os.path.exists(p) for p in outputs) if outputs else True
+        if not started:
+            self.previous = None
+        if overwrite:
+            self.previous = None
+            self.path.unlink(missing_ok=True)
+            self._write(RUNNING, None, "running")
+            return "fresh"
+        errors, redo = self.changes()
+        if errors:
+            raise self.mismatch_error(errors)
+        if self.previous is None:
+            status = "fresh"
+        elif self.previous.get("state") == COMPLETE and not redo and all(os.path.exists(p) for p in outputs):
+            return "complete"
+        else:
+            status = "resume"
+        self._write(RUNNING, (self.previous or {}).get("result"), "running")
+        return status
+
+    @property
+    def result(self) -> dict:
+        return dict((self.previous or {}).get("result") or {})
+
+    # -- recording
+    def complete(self, result: dict | None = None, outcome: str = "done") -> None:
+        self._write(COMPLETE, result, outcome)
+
+    def partial(self, result: dict | None = None, outcome: str = "partial") -> None:
+        self._write(RUNNING, result, outcome)
+
+    def record(self, outcome: str) -> None:
+        """What this run did, without changing the state (e.g. "already_complete", "failed")."""
+        prev = read_manifest(self.layout, self.stage) or {}
+        self._write(prev.get("state", RUNNING), prev.get("result"), outcome)
+
+    def _write(self, state: str, result: dict | None, outcome: str) -> None:
+        record = {
+            "stage": self.stage,
+            "state": state,
+            "inputs": self.inputs,
+            "settings": self.settings,
+            "result": result or {},
+            "last_run": {"outcome": outcome, "pid": os.getpid(),
+                         "time": datetime.datetime.now().isoformat(timespec="microseconds")},
+        }
+        atomic_write_json(self.path, record)
+        self.previous = record
+
+
+def read_manifest(layout: Layout, stage: str) -> dict | None:
+    """The stage's manifest, or None when there is none (or it is unreadable: treated as absent)."""
+    try:
+        data = json.loads(layout.manifest(stage).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def last_outcome(run_dir: str | os.PathLike, stage: str) -> str | None:
+    """What the last run of `stage` did ("done", "already_complete", "partial", "failed"), from its manifest."""
+    m = read_manifest(Layout.of(run_dir), stage)
+    return ((m or {}).get("last_run") or {}).get("outcome")
+
+
+# ---------------------------------------------------------------------------------------------
+# The lock
+# ---------------------------------------------------------------------------------------------
+
+
+class StageBusy(PipelineError):
+    """Another process holds the stage's lock."""
+
+
+@contextlib.contextmanager
+def stage_lock(run_dir: str | os.PathLike, stage: str) -> Iterator[None]:
+    """Hold run_dir/stages/<stage>.lock exclusively for the block (flock: released by the OS
+    when the process exits or dies, so it is never stale). A second holder raises StageBusy."""
+    layout = Layout.of(run_dir)
+    path = layout.lock(stage)
+    try:
+        layout.stages.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError as e:
+        raise PipelineError(f"cannot create the stage lock {path} ({e.strerror}); make run_dir {layout.run_dir} writable "
+                            f"or point run_dir elsewhere") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            raise StageBusy(
+                f"{stage} is already running on {layout.run_dir} (pid {holder}, lock {path}); wait for it to finish "
+                f"or stop that process, then rerun"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock; the file stays (unlinking it would race a waiter)

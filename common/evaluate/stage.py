@@ -1,0 +1,634 @@
+"""Stage 05: measure the trained draft where it will be used, in vLLM.
+
+How (the same counter-delta method as `vllm bench serve` and speculators' evaluate.py):
+1. serve the target with the draft (speculative_config method eagle3, k draft tokens),
+   send the held-out prompts (eval split of data/prompts.jsonl, chat template applied by
+   the server), and scrape /metrics before and after. From the counter deltas:
+       acceptance length      = 1 + accepted / drafts          (counts the bonus token)
+       per-position rate[i]   = accepted_per_pos[i] / drafts
+       draft acceptance rate  = accepted / draft_tokens
+2. serve the target alone and send the same prompts with the same sampling: the output
+   tokens/s without the draft, and the reference outputs. At temperature 0 the outputs must
+   be identical with and without the draft (speculative decoding is lossless); mismatches are
+   counted and listed in the report, never hidden.
+
+Two prompt sets, each measured between its own pair of scrapes: the held-out prompts (the
+headline numbers) and, when evaluate.other_prompts is set, prompts of another kind than the
+training data (report["other_prompts"]): how well the draft generalises.
+
+The offline prediction (report["offline"]) is 04's replay of vLLM's rounds over the eval split
+(common.model.acceptance), with its relative error against the measured acceptance length. With
+evaluate.replay_served, report["replay_on_served"] replays the rounds over the exact token ids vLLM
+served for the held-out prompts: the same text on both sides, so it checks the replay itself.
+
+The target-alone run ("baseline") is cached in eval/baseline.json (eval/baseline-other.json) under
+a key of everything it depends on, so run_pipeline.py can take it on the generation server it
+already has running (`05_evaluate.py --baseline-only --base-url URL`) and this stage starts one
+server instead of two.
+
+Outputs under run_dir/eval/: report.json (atomic), report.png, outputs.jsonl and
+outputs-other.jsonl (both outputs per prompt), baseline.json, baseline-other.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from common.core.config import Config, api_key_from_env
+from common.core.errors import DataError, PipelineError
+from common.core.io import atomic_write_json, file_sha256, iter_jsonl, read_json, write_jsonl_atomic
+
+
+REPORT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- acceptance from counters
+
+
+def acceptance_metrics(delta: dict, num_speculative_tokens: int) -> dict:
+    """The report's acceptance numbers from a counter delta (common.serving.vllm_server.metrics_delta).
+
+    acceptance length = 1 + accepted / drafts; per-position rate[i] = accepted_per_pos[i] / drafts
+    for i < k (positions vLLM never reported count as 0); draft acceptance rate = accepted / draft tokens.
+    """
+    drafts = delta["num_drafts"]
+    if drafts <= 0:
+        raise PipelineError(
+            "vLLM recorded no speculative drafts during the evaluation (spec_decode_num_drafts did not move); "
+            "check that the server runs with the draft (speculative_config) and that the prompts produced output"
+        )
+    if min(drafts, delta["num_draft_tokens"], delta["num_accepted_tokens"], *delta["num_accepted_tokens_per_pos"].values()) < 0:
+        raise PipelineError("vLLM's spec-decode counters went down between two scrapes (did the server restart?); rerun 05_evaluate.py")
+    per_pos = [float(delta["num_accepted_tokens_per_pos"].get(i, 0.0)) for i in range(num_speculative_tokens)]
+    return {
+        "acceptance_length": 1.0 + delta["num_accepted_tokens"] / drafts,
+        "per_position_acceptance": [v / drafts for v in per_pos],
+        "draft_acceptance_rate": delta["num_accepted_tokens"] / delta["num_draft_tokens"] if delta["num_draft_tokens"] else 0.0,
+        "num_speculative_tokens": num_speculative_tokens,
+        "counters": {
+            "num_drafts": int(round(drafts)),
+            "num_draft_tokens": int(round(delta["num_draft_tokens"])),
+            "num_accepted_tokens": int(round(delta["num_accepted_tokens"])),
+            "num_accepted_tokens_per_pos": [int(round(v)) for v in per_pos],
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- prompts and requests
+
+
+def _first_user_turn(row: dict) -> list[dict]:
+    """System turns and the first user turn; [] when there is no user turn.
+
+    Multi-turn prompts carry only user turns (01_prepare_data drops the assistant ones), so
+    the first turn is the only one that can be sent without the target's own answers.
+    """
+    messages = []
+    for m in row.get("messages") or []:
+        if not isinstance(m, dict) or m.get("role") == "assistant":
+            continue
+        messages.append({"role": m.get("role"), "content": m.get("content")})
+        if m.get("role") == "user":
+            break
+    return messages if messages and messages[-1]["role"] == "user" else []
+
+
+def load_eval_prompts(cfg: Config) -> list[dict]:
+    """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn."""
+    path = cfg.run_path / "data" / "prompts.jsonl"
+    if not path.is_file():
+        raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
+    prompts = []
+    for row in iter_jsonl(path):
+        if row.get("split") != "eval":
+            continue
+        messages = _first_user_turn(row)
+        if messages:
+            prompts.append({"id": row["id"], "messages": messages})
+        if len(prompts) >= cfg.evaluate.num_prompts:
+            break
+    if not prompts:
+        raise DataError(
+            f"{path} has no eval-split prompts; set data.eval_fraction > 0 and rerun 01_prepare_data.py --overwrite"
+        )
+    return prompts
+
+
+def load_other_prompts(cfg: Config) -> Optional[list[dict]]:
+    """The first evaluate.num_prompts prompts of evaluate.other_prompts (None when unset).
+
+    The set measures generalisation, so none of its prompts may be a training prompt.
+    """
+    if not cfg.evaluate.other_prompts:
+        return None
+    path = Path(cfg.evaluate.other_prompts)
+    if not path.is_file():
+        raise DataError(f"evaluate.other_prompts file not found: {path}; write it with `python scripts/make_sample_data.py "
+                        f"--other` or set evaluate.other_prompts=null")
+    prompts = []
+    for n, row in enumerate(iter_jsonl(path), 1):
+        messages = _first_user_turn(row) if isinstance(row, dict) else []
+        if not messages or not all(isinstance(m["content"], str) for m in messages):
+            raise DataError(f"{path} line {n} has no user turn with text content; each line needs "
+                            f"{{\"id\", \"messages\": [{{\"role\": \"user\", \"content\": ...}}]}}")
+        prompts.append({"id": str(row.get("id") or f"other-{n}"), "messages": messages})
+        if len(prompts) >= cfg.evaluate.num_prompts:
+            break
+    if not prompts:
+        raise DataError(f"{path} has no prompts; write it with `python scripts/make_sample_data.py --other`")
+    train_prompts = cfg.run_path / "data" / "prompts.jsonl"
+    if train_prompts.is_file():
+        user_text = lambda msgs: next(m["content"] for m in msgs if m["role"] == "user")  # noqa: E731
+        trained = {user_text(_first_user_turn(r)) for r in iter_jsonl(train_prompts)
+                   if r.get("split") == "train" and _first_user_turn(r)}
+        shared = [p["id"] for p in prompts if user_text(p["messages"]) in trained]
+        if shared:
+            raise DataError(f"evaluate.other_prompts {path} shares {len(shared)} prompt(s) with the training data "
+                            f"(first: {shared[0]}); the set must be kept apart from data.source")
+    return prompts
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def draft_fingerprint(draft_dir: Path) -> str:
+    """sha256 over the draft's weights files (model.safetensors, or every *.safetensors in order)."""
+    files = [draft_dir / "model.safetensors"] if (draft_dir / "model.safetensors").is_file() else sorted(draft_dir.glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"no model.safetensors in the draft directory {draft_dir}; run 04_train.py first (it writes train/final/)")
+    if len(files) == 1:
+        return file_sha256(files[0])
+    return _sha256_json([[f.name, file_sha256(f)] for f in files])
+
+
+def sampling_params(cfg: Config) -> dict:
+    e = cfg.evaluate
+    return {"temperature": e.temperature, "max_tokens": e.max_tokens, "concurrency": e.concurrency,
+            "enable_thinking": cfg.generate.enable_thinking}
+
+
+def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
+    """Everything the target-alone run depends on (target, prompts, sampling, server settings)."""
+    target_cfg = Path(cfg.target.model) / "config.json"
+    return {
+        "target": cfg.target.model,
+        "target_config_sha256": file_sha256(target_cfg) if target_cfg.is_file() else None,
+        "target_dtype": cfg.target.dtype,
+        "prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in prompts]),
+        "sampling": sampling_params(cfg),
+        "server": asdict(cfg.server) | {"port": None},
+    }
+
+
+def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str,
+               other: Optional[list[dict]] = None) -> dict:
+    return baseline_key(cfg, prompts) | {
+        "draft": str(draft_dir),
+        "draft_sha256": draft_sha,
+        "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
+        "other_prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in other]) if other else None,
+        "replay_served": cfg.evaluate.replay_served,
+    }
+
+
+def make_client(cfg: Config, base_url: str):
+    from openai import OpenAI
+
+    for name in ("httpx", "httpx2"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    # openai-python defaults to a 600 s timeout and 2 silent retries: set both explicitly.
+    return OpenAI(base_url=base_url, api_key=api_key_from_env(cfg), timeout=cfg.generate.timeout_s, max_retries=2)
+
+
+def served_model(client) -> str:
+    models = [m.id for m in client.models.list().data]
+    if not models:
+        raise PipelineError("the vLLM server lists no models")
+    return models[0]
+
+
+def _chat(cfg: Config, client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    from common.data.generate import parse_completion
+
+    extra_body = {}
+    if cfg.generate.enable_thinking is not None:
+        extra_body["chat_template_kwargs"] = {"enable_thinking": cfg.generate.enable_thinking}
+    if cfg.evaluate.replay_served:
+        extra_body["return_token_ids"] = True  # the exact ids the replay on the served outputs needs
+    t0 = time.monotonic()
+    resp = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
+        extra_body=extra_body or None,
+    )
+    out = parse_completion(resp)
+    out["latency_s"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
+    """One short request, so that the timed run does not pay for first-request setup.
+
+    Call it before the first /metrics scrape: its drafts must not count.
+    """
+    client = make_client(cfg, base_url)
+    _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0]["messages"], 8)
+
+
+def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "eval") -> dict:
+    """Send every prompt (cfg.evaluate sampling, evaluate.concurrency in flight), timed.
+
+    Returns {"model", "outputs": {id: {"reasoning", "content", "finish_reason", "usage", "latency_s"}},
+    "wall_s", "output_tokens", "tokens_per_s"}.
+    """
+    import openai
+    from tqdm import tqdm
+
+    client = make_client(cfg, base_url)
+    model = cfg.generate.model or served_model(client)
+    outputs: dict[str, dict] = {}
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=cfg.evaluate.concurrency) as pool:
+        futures = {pool.submit(_chat, cfg, client, model, p["messages"], cfg.evaluate.max_tokens): p["id"] for p in prompts}
+        for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, mininterval=1.0):
+            try:
+                outputs[futures[fut]] = fut.result()
+            except openai.OpenAIError as e:
+                raise PipelineError(
+                    f"request for prompt {futures[fut]} to {base_url} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                    "see the vLLM server log under run_dir/logs/"
+                ) from None
+    wall = time.monotonic() - t0
+    tokens = sum(int(o["usage"].get("completion_tokens", 0)) for o in outputs.values())
+    return {
+        "model": model,
+        "outputs": {p["id"]: outputs[p["id"]] for p in prompts},
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+    }
+
+
+def compare_outputs(with_draft: dict[str, dict], without_draft: dict[str, dict]) -> dict:
+    """Count prompts whose outputs (reasoning + content + finish reason) agree exactly."""
+    ids = [pid for pid in with_draft if pid in without_draft]
+    mismatched = []
+    for pid in ids:
+        a, b = with_draft[pid], without_draft[pid]
+        if (a.get("reasoning"), a.get("content")) != (b.get("reasoning"), b.get("content")):
+            mismatched.append(pid)
+    return {"compared": len(ids), "identical": len(ids) - len(mismatched), "mismatched_ids": mismatched}
+
+
+def _first_difference(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def mismatch_examples(ids: list[str], with_draft: dict, without_draft: dict, limit: int = 5) -> list[dict]:
+    """Where the first few mismatching outputs diverge, with some context."""
+    examples = []
+    for pid in ids[:limit]:
+        a = (with_draft[pid].get("reasoning") or "") + "\n----\n" + (with_draft[pid].get("content") or "")
+        b = (without_draft[pid].get("reasoning") or "") + "\n----\n" + (without_draft[pid].get("content") or "")
+        i = _first_difference(a, b)
+        examples.append({"id": pid, "first_difference_at_char": i,
+                         "with_draft": a[max(0, i - 40): i + 80], "without_draft": b[max(0, i - 40): i + 80]})
+    return examples
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def speculative_config(cfg: Config, draft_dir: Path) -> dict:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.evaluate.num_speculative_tokens}
+
+
+def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Optional[Path] = None):
+    """A VllmServer for cfg.target.model with the cfg.server settings (tensor parallel etc.).
+
+    The target runs in target.dtype (float32 for the tiny default), the dtype 02 extracts the
+    training features in, unless server.extra_args already sets --dtype.
+    """
+    from common.serving.vllm_server import VllmServer
+
+    extra = list(cfg.server.extra_args)
+    if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+        extra += ["--dtype", cfg.target.dtype]
+    return VllmServer.from_config(cfg, speculative_config=speculative, log_path=log_path, extra_args=extra)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+@dataclass
+class EvalPaths:
+    dir: Path
+    report: Path
+    plot: Path
+    outputs: Path
+    baseline: Path
+    logs: Path
+    outputs_other: Path
+    baseline_other: Path
+
+    @classmethod
+    def of(cls, cfg: Config) -> "EvalPaths":
+        d = cfg.run_path / "eval"
+        return cls(d, d / "report.json", d / "report.png", d / "outputs.jsonl", d / "baseline.json", cfg.run_path / "logs",
+                   d / "outputs-other.jsonl", d / "baseline-other.json")
+
+    def baseline_of(self, prompt_set: str) -> Path:
+        return self.baseline if prompt_set == HELD_OUT else self.baseline_other
+
+
+# The two prompt sets 05 measures: held-out prompts of the training distribution, and
+# evaluate.other_prompts (another kind, never trained on).
+HELD_OUT, OTHER = "held_out", "other"
+
+
+def prompt_sets(cfg: Config) -> dict[str, list[dict]]:
+    sets = {HELD_OUT: load_eval_prompts(cfg)}
+    other = load_other_prompts(cfg)
+    if other:
+        sets[OTHER] = other
+    return sets
+
+
+def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None, prompt_set: str = HELD_OUT) -> Optional[dict]:
+    """The target-alone run of a prompt set (eval/baseline.json, eval/baseline-other.json) if it was
+    measured with the current key, else None."""
+    path = EvalPaths.of(cfg).baseline_of(prompt_set)
+    if not path.is_file():
+        return None
+    try:
+        baseline = read_json(path)
+    except DataError:
+        return None
+    if prompts is None:
+        prompts = load_eval_prompts(cfg) if prompt_set == HELD_OUT else load_other_prompts(cfg)
+    return baseline if prompts and baseline.get("key") == baseline_key(cfg, prompts) else None
+
+
+def missing_baselines(cfg: Config) -> list[str]:
+    """The prompt sets whose target-alone run is not cached yet."""
+    return [name for name, prompts in prompt_sets(cfg).items() if cached_baseline(cfg, prompts, name) is None]
+
+
+def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT) -> dict:
+    """Run the prompts on a server of the target alone and cache the result."""
+    warm_up(cfg, base_url, prompts)
+    run = run_prompts(cfg, base_url, prompts, desc="target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})"))
+    baseline = {"key": baseline_key(cfg, prompts), "created": time.time(), **run}
+    atomic_write_json(EvalPaths.of(cfg).baseline_of(prompt_set), baseline)
+    return baseline
+
+
+def read_offline_report(cfg: Config) -> Optional[dict]:
+    """The offline prediction of vLLM's numbers from 04_train.py's train/eval_report.json.
+
+    At k = evaluate.num_speculative_tokens: expected_acceptance_length and expected_per_position
+    are the replay of vLLM's rounds (common.model.acceptance) when 04 reported it ("prediction": "replay"),
+    else the product formula 1 + sum_j prod_{i<=j} step_acc[i]; "product_formula" always has the latter.
+    """
+    from common.model.acceptance import product_formula, product_per_position
+
+    path = cfg.run_path / "train" / "eval_report.json"
+    if not path.is_file():
+        return None
+    try:
+        rep = read_json(path)
+    except DataError:
+        return None
+    k = cfg.evaluate.num_speculative_tokens
+    acc = [float(a) for a in rep.get("step_acc") or []]
+    tau = (rep.get("tau") or {}).get(str(k))
+    if tau is None and len(acc) >= k:
+        tau = product_formula(acc, k)
+    product = {"acceptance_length": tau, "per_position": product_per_position(acc, k)}
+    replay = (rep.get("replay") or {}).get(str(k))
+    out = {"path": str(path), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc, "product_formula": product}
+    if replay:
+        return out | {"prediction": "replay", "expected_acceptance_length": replay["acceptance_length"],
+                      "expected_per_position": replay["per_position"], "replay_rounds": replay["rounds"]}
+    return out | {"prediction": "product formula", "expected_acceptance_length": tau,
+                  "expected_per_position": product["per_position"]}
+
+
+def prediction_error(report: dict) -> Optional[float]:
+    """(offline prediction - vLLM measured) / measured, for the held-out prompts."""
+    predicted = (report.get("offline") or {}).get("expected_acceptance_length")
+    measured = report.get("acceptance_length")
+    if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured > 0:
+        return (predicted - measured) / measured
+    return None
+
+
+def format_summary(report: dict) -> str:
+    per_pos = "/".join(f"{r:.2f}" for r in report["per_position_acceptance"])
+    line = f"acceptance length {report['acceptance_length']:.2f} (k={report['num_speculative_tokens']}) | per-position {per_pos}"
+    speedup = report["throughput"].get("speedup")
+    if speedup is not None:
+        line += f" | {speedup:.2f}x tokens/s"
+    o = report["outputs"]
+    line += f" | {o['identical']}/{o['compared']} outputs identical"
+    offline = report.get("offline") or {}
+    if isinstance(offline.get("expected_acceptance_length"), (int, float)):
+        line += f" | offline {offline.get('prediction', 'estimate')} {offline['expected_acceptance_length']:.2f}"
+        error = prediction_error(report)
+        if error is not None:
+            line += f" ({100 * error:+.1f}%)"
+    served = report.get("replay_on_served")
+    if served:
+        line += f" | replay on the served outputs {served['acceptance_length']:.2f} ({100 * served['relative_error']:+.1f}%)"
+    other = report.get("other_prompts")
+    if other:
+        line += (f" | other-kind prompts: acceptance length {other['acceptance_length']:.2f}, "
+                 f"{other['outputs']['identical']}/{other['outputs']['compared']} identical")
+    return line
+
+
+def _set_results(cfg: Config, prompts: list[dict], with_draft: dict, acceptance: dict, baseline: dict,
+                 outputs_path: Path) -> dict:
+    """One prompt set's part of the report: acceptance, throughput, outputs with vs without the draft."""
+    comparison = compare_outputs(with_draft["outputs"], baseline["outputs"])
+    write_jsonl_atomic(outputs_path, (
+        {"id": p["id"], "messages": p["messages"], "with_draft": with_draft["outputs"][p["id"]],
+         "without_draft": baseline["outputs"].get(p["id"]), "identical": p["id"] not in comparison["mismatched_ids"]}
+        for p in prompts
+    ))
+    tps_with, tps_without = with_draft["tokens_per_s"], baseline["tokens_per_s"]
+    return {
+        "num_prompts": len(prompts),
+        **acceptance,
+        "throughput": {
+            "with_draft": {k_: with_draft[k_] for k_ in ("output_tokens", "wall_s", "tokens_per_s")},
+            "without_draft": {k_: baseline[k_] for k_ in ("output_tokens", "wall_s", "tokens_per_s")},
+            "speedup": round(tps_with / tps_without, 4) if tps_without else None,
+        },
+        "outputs": {
+            **comparison,
+            "greedy": cfg.evaluate.temperature == 0.0,
+            # At temperature 0 speculative decoding must not change the text.
+            "all_identical": comparison["identical"] == comparison["compared"],
+            "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft["outputs"], baseline["outputs"]),
+        },
+    }
+
+
+def replay_on_served(cfg: Config, draft: Path, prompts: list[dict], outputs: dict, measured: dict) -> dict:
+    """The replay over the very token sequences vLLM generated (evaluate.replay_served): with the same
+    text on both sides, what is left between it and vLLM's counters is the replay's own error."""
+    from common.evaluate.replay import replay_on_token_ids
+
+    missing = [p["id"] for p in prompts if not outputs[p["id"]].get("completion_token_ids")
+               or not outputs[p["id"]].get("prompt_token_ids")]
+    if missing:
+        raise PipelineError(f"vLLM returned no token ids for {len(missing)} prompt(s) (first: {missing[0]}); "
+                            f"evaluate.replay_served needs vLLM >= 0.10 (return_token_ids), or set it to false")
+    sequences = [(outputs[p["id"]]["prompt_token_ids"], outputs[p["id"]]["completion_token_ids"]) for p in prompts]
+    result = replay_on_token_ids(cfg, draft, sequences, cfg.evaluate.num_speculative_tokens)
+    result["relative_error"] = (result["acceptance_length"] - measured["acceptance_length"]) / measured["acceptance_length"]
+    return result
+
+
+def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False,
+              baseline_only: bool = False, base_url: Optional[str] = None) -> int:
+    paths = EvalPaths.of(cfg)
+    sets = prompt_sets(cfg)
+    if baseline_only:
+        return run_baseline_only(cfg, paths, sets, base_url, overwrite)
+    draft = find_draft(cfg, draft_dir)
+    draft_sha = draft_fingerprint(draft)
+    key = report_key(cfg, sets[HELD_OUT], draft, draft_sha, sets.get(OTHER))
+    if overwrite:
+        for p in (paths.report, paths.plot, paths.outputs, paths.baseline, paths.outputs_other, paths.baseline_other):
+            p.unlink(missing_ok=True)
+    manifest = stage_manifest(cfg, key)
+    if manifest.begin(overwrite, outputs=[paths.report]) == "complete":
+        manifest.record("already_complete")
+        print(f"05_evaluate: already complete ({paths.report}): {format_summary(read_json(paths.report))}; use --overwrite to redo")
+        return 0
+    with_draft, acceptance = measure_with_draft(cfg, paths, sets, draft)
+    baselines = measure_or_reuse_baselines(cfg, paths, sets, base_url)
+    report = build_report(cfg, paths, sets, draft, draft_sha, key, with_draft, acceptance, baselines)
+    write_report(cfg, paths, report)
+    manifest.complete({"acceptance_length": report.get("acceptance_length")})
+    print(f"05_evaluate: {format_summary(report)} -> {paths.report}")
+    return 0
+
+
+def run_baseline_only(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], base_url: Optional[str], overwrite: bool) -> int:
+    """run_pipeline.py: measure the target alone on the server it already runs for 01b."""
+    from common.core.run_folder import Layout, StageManifest
+
+    if not base_url:
+        raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
+    todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
+    record = StageManifest(Layout.of(cfg), "05_baseline").record  # what run_pipeline reports
+    if not todo:
+        print(f"05_evaluate: baseline already complete ({paths.baseline}); use --overwrite to redo")
+        record("already_complete")
+        return 0
+    for name in todo:
+        b = measure_baseline(cfg, base_url, sets[name], name)
+        print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name])} prompts, {b['output_tokens']} "
+              f"tokens in {b['wall_s']:.1f}s ({b['tokens_per_s']:.1f} tok/s)")
+    record("done")
+    return 0
+
+
+def find_draft(cfg: Config, draft_dir: Optional[str]) -> Path:
+    draft = Path(draft_dir) if draft_dir else cfg.run_path / "train" / "final"
+    if not (draft / "config.json").is_file():
+        raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
+    return draft
+
+
+def measure_with_draft(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], draft: Path) -> tuple[dict, dict]:
+    """Target + draft: each prompt set between its own pair of /metrics scrapes. Returns (runs, acceptance) per set."""
+    from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
+
+    k = cfg.evaluate.num_speculative_tokens
+    with_draft, acceptance = {}, {}
+    with target_server(cfg, speculative_config(cfg, draft), log_path=paths.logs / "vllm_eval_draft.log") as server:
+        warm_up(cfg, server.base_url, sets[HELD_OUT])
+        for name, set_prompts in sets.items():
+            before = spec_decode_metrics(scrape_metrics(server.base_url))
+            with_draft[name] = run_prompts(cfg, server.base_url, set_prompts, desc=f"target + draft (k={k}, {name})")
+            after = spec_decode_metrics(scrape_metrics(server.base_url))
+            acceptance[name] = acceptance_metrics(metrics_delta(after, before), k)
+    return with_draft, acceptance
+
+
+def measure_or_reuse_baselines(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], base_url: Optional[str]) -> dict:
+    """Target alone, per set: cached when run_pipeline measured it on the generation server."""
+    baselines = {name: cached_baseline(cfg, set_prompts, name) for name, set_prompts in sets.items()}
+    if any(b is None for b in baselines.values()):
+        with (contextlib.nullcontext(None) if base_url else
+              target_server(cfg, None, log_path=paths.logs / "vllm_eval_target.log")) as server:
+            for name, b in baselines.items():
+                if b is None:
+                    baselines[name] = measure_baseline(cfg, base_url or server.base_url, sets[name], name)
+    return baselines
+
+
+def build_report(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], draft: Path, draft_sha: str, key: dict,
+                 with_draft: dict, acceptance: dict, baselines: dict) -> dict:
+    prompts, other = sets[HELD_OUT], sets.get(OTHER)
+    held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], paths.outputs)
+    report = {
+        "version": REPORT_VERSION,
+        "complete": True,
+        "key": key,
+        "draft": str(draft),
+        "draft_sha256": draft_sha,
+        "target": cfg.target.model,
+        "sampling": sampling_params(cfg),
+        **held_out,  # the held-out prompts: the headline numbers
+        "offline": read_offline_report(cfg),
+        "other_prompts": None if other is None else {
+            "path": cfg.evaluate.other_prompts,
+            **_set_results(cfg, other, with_draft[OTHER], acceptance[OTHER], baselines[OTHER], paths.outputs_other)},
+        "files": {"report": str(paths.report), "plot": str(paths.plot), "outputs": str(paths.outputs),
+                  "baseline": str(paths.baseline),
+                  **({"outputs_other": str(paths.outputs_other), "baseline_other": str(paths.baseline_other)} if other else {})},
+        "created": time.time(),
+    }
+    report["offline_prediction_error"] = prediction_error(report)
+    if cfg.evaluate.replay_served:
+        report["replay_on_served"] = replay_on_served(cfg, draft, prompts, with_draft[HELD_OUT]["outputs"], acceptance[HELD_OUT])
+    return report
+
+
+def write_report(cfg: Config, paths: EvalPaths, report: dict) -> None:
+    """The plot, then report.json; warns when greedy outputs differ with and without the draft."""
+    from common.evaluate.plots import plot_report
+
+    plot_report(report, cfg.run_path / "train" / "metrics.jsonl", paths.plot)
+    atomic_write_json(paths.report, report)
+    for name, part in ((HELD_OUT, report), (OTHER, report["other_prompts"])):
+        o = part["outputs"] if part else None
+        if o and o["greedy"] and o["identical"] != o["compared"]:
+            print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
+                  f"prompts) differ with and without the draft (see 'mismatch_examples' in {paths.report})", file=sys.stderr)
+
+
+def stage_manifest(cfg: Config, key: dict):
+    """05's record (common.core.run_folder): everything the measurement depends on (report_key). A
+    measurement is replaced whole, so any change means "measure again", not an error."""
+    from common.core.run_folder import Layout, StageManifest
+
+    return StageManifest(Layout.of(cfg), "05_evaluate", settings=key, redo_on=set(key))

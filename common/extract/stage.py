@@ -1,0 +1,676 @@
+"""Stage 02: run the target over every tokenized sample and store the hidden states EAGLE-3 trains on.
+
+Output under run_dir/hidden/ (docs/design.md#artifact-formats), one row per token, samples concatenated:
+    shard-NNNNN.safetensors
+        input_ids       int64 [N]
+        loss_mask       uint8 [N]
+        aux_hidden      [N, n_aux*H_t]  extract.dtype; the aux states concatenated in aux_layer_ids order
+        final_hidden    [N, H_t]        extract.dtype; the final-norm output = input of the target lm_head
+        sample_offsets  int64 [n_samples+1]; sample i is rows offsets[i]:offsets[i+1]
+    index.json   per shard: file, split, sample_ids (in shard order), num_tokens, sha256, bytes; "complete"
+    plan.json    which samples go in which shard, fixed before the first forward pass
+
+Which tensors, and why (docs/design.md#aux-layer-convention and #artifact-formats)
+- aux id k = the residual stream after k decoder layers = the input of decoder layer k, captured by a
+  forward pre-hook on layers[k] of the decoder stack (ids ascending: vLLM hands them over in layer order).
+- final_hidden = the final-norm output = exactly what the target lm_head reads; 04 applies the lm_head
+  in chunks (H_t values per token instead of V logits: 23x smaller for Kimi-K2.5).
+- Only the decoder stack runs (no [T, V] logits) and output_hidden_states is never asked for; hooks copy
+  the needed states at unpadded positions to CPU in extract.dtype as soon as a layer produces them.
+
+Batching and memory
+- Samples of one shard are sorted by length (longest first, ties by input order) and packed into
+  right-padded batches with rows * max_len <= extract.batch_max_tokens (a single longer sample gets a
+  batch of its own); the attention mask hides the padding. A batch's results go to CPU immediately;
+  a shard is written when complete, so host memory is bounded by one shard being filled plus one being
+  written (by a background thread, overlapping disk I/O and hashing with the next forward passes).
+  Peak host RAM ~ 2 * shard_max_tokens * bytes_per_token: pick shard_max_tokens accordingly
+  (Kimi-K2.5 bf16: 57,353 B/token, so 65,536 tokens per shard = 3.8 GB per shard).
+
+Resume and integrity
+- plan.json is computed once from the input files (deterministic: train then eval, input order,
+  contiguous runs of samples up to shard_max_tokens) and saved atomically before any shard. Resume works
+  at shard granularity and reproduces the same batches, so on CPU a resumed run writes byte-identical
+  shards. Shards are written to a temp name and renamed (common.core.io.atomic_path); the index is
+  rewritten atomically after every shard with the shard's sha256 (computed while writing).
+- On rerun every indexed shard is verified (extract.verify: sha256, or size for huge runs); a missing,
+  truncated or corrupted shard is reported and recomputed. A shard file that exists but is not in the
+  index (killed between rename and index update) is recomputed. Changed inputs or settings are a clear
+  error that suggests --overwrite.
+
+Placement and multi-GPU
+- Single process: extract.device (auto = cuda if available, else cpu). target.device_map "auto" puts the
+  model on one GPU if its weights fit in 90% of that GPU's memory, else shards it over all visible GPUs
+  with transformers device_map="auto" (layers on different GPUs, run one after the other: it works for
+  any size that fits the node, at 1/num_gpus utilisation). Any other value ("balanced", "sequential")
+  is passed to transformers as is.
+- torchrun (WORLD_SIZE > 1): data parallel, one full model copy per GPU (cuda:LOCAL_RANK). Rank 0 does
+  the setup (plan, verification, disk check) and broadcasts it over a gloo process group; shard k goes
+  to rank k % world_size; each rank writes its shards and an index fragment (index.rank-RRRRR.json,
+  atomic); rank 0 merges the fragments into index.json after each of its shards and once more after
+  the final barrier (the merge is a pure function of the fragments, so it is idempotent).
+
+Backends (extract.backend; docs/design.md#hidden-state-extraction-through-vllm)
+- hf: the above, the target in transformers. The reference, and for targets vLLM cannot run; it refuses
+  a target whose materialised weights (quantized ones decompressed, e.g. Kimi-K2.5's int4 experts to
+  bf16) exceed the memory it would use, naming the vllm backend.
+- vllm (auto = vllm where installed): the target runs in vLLM with its "extract_hidden_states" method
+  and our KV connector (common/extract/vllm_backend.py, common/extract/vllm_connector.py), with TP/DP/EP from
+  extract.*; same plan, shards, index and resume as above, one request per sample.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import hashlib
+import json
+import logging
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from tqdm import tqdm
+
+from common.target.tokenization import check_token_range, parse_tokenized_line
+from common.core.errors import ConfigError, DataError, PipelineError
+from common.core.io import atomic_path, atomic_write_json, bytes_bar, file_sha256, format_bytes, read_json
+
+if TYPE_CHECKING:  # torch is imported only when the stage runs
+    from common.core.distributed import DistEnv
+
+log = logging.getLogger("extract")
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+INDEX_NAME = "index.json"
+PLAN_NAME = "plan.json"
+ID_MASK_BYTES = 8 + 1  # int64 input_ids + uint8 loss_mask per token
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def fragment_name(rank: int) -> str:
+    return f"index.rank-{rank:05d}.json"
+
+
+def dtype_bytes(name: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: the aux states, the final state, input id and loss mask."""
+    return (num_aux + 1) * hidden_size * dtype_bytes(dtype) + ID_MASK_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: one pass over train.jsonl / eval.jsonl validates every sample and records where it is.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampleRef:
+    id: str
+    length: int
+    position: int  # line order within its split
+
+
+@dataclass
+class SplitScan:
+    split: str
+    path: Path
+    sha256: str
+    samples: list[SampleRef]
+    line_offsets: list[int]  # byte offset of each sample's line, plus the file size at the end
+
+
+def parse_sample(line: bytes, path: Path, lineno: int) -> dict:
+    """Parse and check one tokenized line; 02 additionally refuses empty samples."""
+    sample = parse_tokenized_line(line, path, lineno)
+    if not sample["input_ids"]:
+        raise DataError(f"sample '{sample['id']}' ({path}:{lineno}) has no tokens; remove it or rerun 01b_generate_synthetic.py")
+    return sample
+
+
+def check_sample(sample: dict, vocab_size: int, max_positions: int | None, model: str) -> None:
+    sid, ids = sample["id"], sample["input_ids"]
+    check_token_range(sample, vocab_size, f"'{model}'")
+    if max_positions is not None and len(ids) > max_positions:
+        raise DataError(
+            f"sample '{sid}' has {len(ids)} tokens, more than the target's max_position_embeddings {max_positions}; "
+            f"lower tokenize.max_seq_len and rerun 01b_generate_synthetic.py"
+        )
+
+
+def scan_split(path: Path, split: str, vocab_size: int, max_positions: int | None, model: str) -> SplitScan:
+    h = hashlib.sha256()
+    samples, offsets = [], []
+    pos = 0
+    with open(path, "rb") as f, bytes_bar(path.stat().st_size, f"02 scan {path.name}") as bar:
+        for lineno, line in enumerate(f, start=1):
+            h.update(line)
+            bar.update(len(line))
+            start, pos = pos, pos + len(line)
+            if not line.strip():
+                continue
+            row = parse_sample(line, path, lineno)
+            check_sample(row, vocab_size, max_positions, model)
+            offsets.append(start)
+            samples.append(SampleRef(row["id"], len(row["input_ids"]), len(samples)))
+    offsets.append(pos)
+    return SplitScan(split, path, h.hexdigest(), samples, offsets)
+
+
+def input_paths(run_dir: Path) -> dict[str, Path]:
+    data = run_dir / "data"
+    train = data / "train.jsonl"
+    if not train.is_file():
+        raise DataError(f"{train} not found; run 01b_generate_synthetic.py first (it writes data/train.jsonl and data/eval.jsonl)")
+    paths = {"train": train}
+    if (data / "eval.jsonl").is_file():
+        paths["eval"] = data / "eval.jsonl"
+    return paths
+
+
+def stage_manifest(cfg, info):
+    """02's record (common.core.run_folder): the tokenized inputs by content, and every setting that
+    changes the stored features (aux layers, target, dtype, shard plan)."""
+    from common.core.run_folder import Layout, StageManifest
+
+    layout = Layout.of(cfg)
+    inputs = {f"data/{split}.jsonl": path for split, path in input_paths(layout.run_dir).items()}
+    target_config = Path(cfg.target.model) / "config.json"
+    if target_config.is_file():
+        inputs["target config.json"] = target_config
+    return StageManifest(layout, "02_extract_hidden", inputs=inputs, settings=_settings(cfg, info))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: which samples go in which shard, in which order. Fixed before the first forward pass.
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_order(samples: list[SampleRef]) -> list[SampleRef]:
+    """Longest first (padding is limited and the largest batch, the likeliest OOM, comes first)."""
+    return sorted(samples, key=lambda s: (-s.length, s.position))
+
+
+def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int) -> list[dict]:
+    """Cut each split, in input order, into runs of samples with at most shard_max_tokens tokens."""
+    shards: list[dict] = []
+
+    def close(scan: SplitScan, run: list[SampleRef]) -> None:
+        first, last = run[0].position, run[-1].position
+        shards.append({
+            "file": shard_name(len(shards)),
+            "split": scan.split,
+            "byte_start": scan.line_offsets[first],
+            "byte_end": scan.line_offsets[last + 1],
+            "num_samples": len(run),
+            "num_tokens": sum(s.length for s in run),
+            "sample_ids": [s.id for s in shard_order(run)],
+        })
+
+    for scan in scans:
+        run, tokens = [], 0
+        for s in scan.samples:
+            if run and tokens + s.length > shard_max_tokens:
+                close(scan, run)
+                run, tokens = [], 0
+            run.append(s)
+            tokens += s.length
+        if run:
+            close(scan, run)
+    return shards
+
+
+def read_shard_samples(path: Path, shard: dict) -> list[dict]:
+    """The shard's samples from the input file, in shard order (as the plan lists them)."""
+    with open(path, "rb") as f:
+        f.seek(shard["byte_start"])
+        data = f.read(shard["byte_end"] - shard["byte_start"])
+    rows = [parse_sample(line, path, 0) for line in data.split(b"\n") if line.strip()]
+    refs = shard_order([SampleRef(r["id"], len(r["input_ids"]), i) for i, r in enumerate(rows)])
+    ordered = [rows[r.position] for r in refs]
+    if [r["id"] for r in ordered] != shard["sample_ids"]:
+        raise DataError(f"{path} changed since hidden/plan.json was made; rerun 02_extract_hidden.py with --overwrite")
+    return ordered
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing shards: a streaming safetensors writer that hashes while it writes.
+# ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"int64": "I64", "uint8": "U8", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, list]]) -> tuple[str, int]:
+    """Write [(name, [chunk, ...])] as one safetensors file, each tensor = its chunks along dim 0.
+
+    Streams chunk by chunk (no concatenated copy of a multi-GB shard) and returns (sha256, size).
+    Loadable by safetensors.safe_open / load_file; byte-identical for identical inputs.
+    """
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, chunks in tensors:
+        first = chunks[0]
+        rows = sum(c.shape[0] for c in chunks)
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        header[name] = {"dtype": _ST_DTYPES[str(first.dtype).replace("torch.", "")], "shape": [rows, *first.shape[1:]],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for block in (struct.pack("<Q", len(text)), text):
+            f.write(block)
+            digest.update(block)
+        for _, chunks in tensors:
+            for c in chunks:
+                raw = c.contiguous().view(torch.uint8).numpy()  # reinterpret (bf16 has no numpy dtype)
+                f.write(raw.data)
+                digest.update(raw.data)
+        f.flush()
+    return digest.hexdigest(), 8 + len(text) + offset
+
+
+def write_shard(final_path: Path, samples: list[dict], batches: list[dict]) -> dict:
+    """Write one shard atomically from its samples (shard order) and their per-batch states."""
+    import torch
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int64)
+    loss_mask = torch.tensor([int(m) for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
+    tensors = [
+        ("input_ids", [input_ids]),
+        ("loss_mask", [loss_mask]),
+        ("aux_hidden", [b["aux"] for b in batches]),
+        ("final_hidden", [b["final"] for b in batches]),
+        ("sample_offsets", [offsets]),
+    ]
+    rows = sum(b["aux"].shape[0] for b in batches)
+    if rows != int(offsets[-1]):
+        raise PipelineError(f"internal error: {rows} hidden-state rows for {int(offsets[-1])} tokens in {final_path.name}")
+    with atomic_path(final_path) as tmp:
+        sha, size = write_safetensors(tmp, tensors)
+    return {"sha256": sha, "bytes": size, "num_loss_tokens": int(loss_mask.sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Index: entries per shard, merged from index.json and per-rank fragments; verification.
+# ---------------------------------------------------------------------------------------------
+
+
+def read_entries(hidden_dir: Path) -> dict[str, dict]:
+    """Shard entries recorded so far, from index.json and any rank fragments (union by file)."""
+    entries: dict[str, dict] = {}
+    sources = [hidden_dir / INDEX_NAME] + sorted(hidden_dir.glob("index.rank-*.json"))
+    for src in sources:
+        if not src.is_file():
+            continue
+        try:
+            doc = json.loads(src.read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            log.warning("%s is unreadable; the shards it listed will be verified again or recomputed", src)
+            continue
+        for e in doc.get("shards", []):
+            entries[e["file"]] = e
+    return entries
+
+
+def verify_entry(hidden_dir: Path, entry: dict, mode: str, progress: Callable[[int], Any] | None = None) -> str | None:
+    """None if the shard on disk matches its entry, else why not. progress(n): n more bytes hashed."""
+    path = hidden_dir / entry["file"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"size {size} != {entry.get('bytes')} bytes (truncated or overwritten)"
+    if mode == "sha256" and file_sha256(path, progress=progress) != entry["sha256"]:
+        return "sha256 mismatch (corrupted)"
+    return None
+
+
+def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict]) -> dict:
+    shards = [entries[s["file"]] for s in plan_shards if s["file"] in entries]
+    complete = len(shards) == len(plan_shards)
+    splits = {}
+    for split in SPLITS:
+        mine = [s for s in shards if s["split"] == split]
+        splits[split] = {"num_shards": len(mine), "num_samples": sum(s["num_samples"] for s in mine),
+                         "num_tokens": sum(s["num_tokens"] for s in mine)}
+    return {**header, "complete": complete, "num_shards": len(shards), "num_planned_shards": len(plan_shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards), "num_samples": sum(s["num_samples"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk space
+# ---------------------------------------------------------------------------------------------
+
+
+def check_disk_space(hidden_dir: Path, needed: int, min_free_gb: float, disk_usage: Callable = shutil.disk_usage) -> None:
+    free = disk_usage(hidden_dir).free
+    headroom = int(min_free_gb * 1e9)
+    required = needed + headroom  # the shards, and the head-room left free after them
+    if required > free:
+        raise DataError(
+            f"not enough disk space in {hidden_dir}: need {format_bytes(needed)} for the shards + {format_bytes(headroom)} "
+            f"head-room (extract.min_free_disk_gb={min_free_gb:g}) = {format_bytes(required)}, free {format_bytes(free)}; "
+            f"{format_bytes(required - free)} missing: free space, move run_dir, or lower extract.dtype precision"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+
+def _settings(cfg, info) -> dict:
+    return {
+        "aux_layer_ids": list(info.aux_layer_ids),
+        "num_target_layers": info.num_layers,
+        "target_hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size,
+        "model_type": info.model_type,
+        "target_dtype": cfg.target.dtype,
+        "dtype": cfg.extract.dtype,
+        "shard_max_tokens": cfg.extract.shard_max_tokens,
+    }
+
+
+def _header(cfg, info, plan: dict) -> dict:
+    s = plan["settings"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "aux_layer_ids": s["aux_layer_ids"],
+        "num_target_layers": s["num_target_layers"],
+        "target_hidden_size": s["target_hidden_size"],
+        "vocab_size": s["vocab_size"],
+        "model_type": s["model_type"],
+        "dtype": s["dtype"],
+        "target_dtype": s["target_dtype"],
+        "target_model": cfg.target.model,
+        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"]),
+        "inputs": plan["inputs"],
+    }
+
+
+def _validate_aux_ids(ids: list[int]) -> None:
+    if list(ids) != sorted(ids):
+        raise ConfigError(
+            f"target.aux_layer_ids = {ids} is not ascending; vLLM hands the draft the aux states in layer order, "
+            f"so list them ascending, e.g. {sorted(ids)}"
+        )
+
+
+def _warn_vllm_limits(info) -> None:
+    # vLLM's DeepSeek-V2/V3 stack (also Kimi-K2.x) computes aux = hidden + residual before layer idx,
+    # with residual None before layer 0, so id 0 crashes there (llama-style stacks handle it).
+    if 0 in info.aux_layer_ids and any(s in info.model_type for s in ("deepseek", "kimi")):
+        log.warning("aux layer id 0 (the embeddings) works here but vLLM %s targets cannot capture it "
+                    "(deepseek_v2.py adds a None residual); use ids >= 1 for a draft you will serve", info.model_type)
+
+
+def _max_positions(info) -> int | None:
+    value = getattr(info.text_config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
+    """Rank 0's setup: plan (new or checked), verification of existing shards, disk check.
+
+    Returns {"status": "complete"|"todo", "plan", "entries", "todo": [shard files], ...}.
+    """
+    paths = input_paths(Path(cfg.run_dir))
+    clear_outputs(hidden_dir, overwrite)
+    plan_path = hidden_dir / PLAN_NAME
+    # Changed inputs or settings since the plan was made: one error asking for --overwrite.
+    stage_manifest(cfg, info).begin(overwrite, outputs=[hidden_dir / INDEX_NAME], started=plan_path.is_file())
+    plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, plan_path)
+    good = verified_shards(cfg, hidden_dir, plan)
+    todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
+    header = _header(cfg, info, plan)
+    if not todo:
+        index = build_index(header, plan["shards"], good)
+        if not (hidden_dir / INDEX_NAME).is_file() or read_json(hidden_dir / INDEX_NAME) != index:
+            atomic_write_json(hidden_dir / INDEX_NAME, index)
+        for frag in hidden_dir.glob("index.rank-*.json"):
+            frag.unlink(missing_ok=True)
+        return {"status": "complete", "plan": plan, "entries": good, "todo": [], "header": header}
+    check_disk_for(cfg, hidden_dir, plan, header, todo)
+    atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], good))
+    return {"status": "todo", "plan": plan, "entries": good, "todo": todo, "header": header}
+
+
+def clear_outputs(hidden_dir: Path, overwrite: bool) -> None:
+    """--overwrite: remove everything 02 wrote; always: temp files a killed run left behind."""
+    if overwrite and hidden_dir.exists():
+        for p in list(hidden_dir.glob("shard-*.safetensors")) + list(hidden_dir.glob("index*.json")) + [hidden_dir / PLAN_NAME]:
+            p.unlink(missing_ok=True)
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    for tmp in hidden_dir.glob(".tmp-*"):  # never visible under a final name
+        tmp.unlink(missing_ok=True)
+
+
+def load_plan(cfg, plan_path: Path) -> dict:
+    plan = read_json(plan_path)
+    if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
+        log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
+                    "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
+    return plan
+
+
+def make_plan(cfg, info, paths: dict[str, Path], plan_path: Path) -> dict:
+    """Check every sample and fix which samples go in which shard, before the first forward pass."""
+    max_pos = _max_positions(info)
+    scans = [scan_split(p, split, info.vocab_size, max_pos, cfg.target.model) for split, p in paths.items()]
+    if not scans[0].samples:
+        raise DataError(f"{paths['train']} has no samples; rerun 01b_generate_synthetic.py")
+    ids = [s.id for scan in scans for s in scan.samples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DataError(f"sample id '{dup}' appears more than once in data/train.jsonl + data/eval.jsonl; ids must be unique")
+    plan = {
+        "format_version": FORMAT_VERSION,
+        "settings": _settings(cfg, info),
+        "batch_max_tokens": cfg.extract.batch_max_tokens,
+        "inputs": {scan.split: {"file": f"data/{scan.path.name}", "sha256": scan.sha256, "num_samples": len(scan.samples),
+                                "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
+        "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens),
+    }
+    atomic_write_json(plan_path, plan)
+    return plan
+
+
+def verified_shards(cfg, hidden_dir: Path, plan: dict) -> dict[str, dict]:
+    """The index entries of the planned shards that are on disk and sound (extract.verify)."""
+    entries = read_entries(hidden_dir)
+    planned = {s["file"]: s for s in plan["shards"]}
+    good: dict[str, dict] = {}
+    to_hash = sum(e.get("bytes") or 0 for n, e in entries.items() if n in planned) if cfg.extract.verify == "sha256" else 0
+    with bytes_bar(to_hash, "02 verify shards (sha256)") as bar:  # hours at Kimi scale
+        for name, entry in sorted(entries.items()):
+            if name not in planned:
+                continue
+            same_samples = entry.get("sample_ids") == planned[name]["sample_ids"] and entry.get("split") == planned[name]["split"]
+            problem = verify_entry(hidden_dir, entry, cfg.extract.verify, bar.update) if same_samples else "recorded for other samples"
+            if problem:
+                print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
+            else:
+                good[name] = entry
+    return good
+
+
+def check_disk_for(cfg, hidden_dir: Path, plan: dict, header: dict, todo: list[str]) -> None:
+    """What the remaining shards need on disk, said and checked before any forward pass."""
+    per_token = header["bytes_per_token"]
+    shards_by_name = {s["file"]: s for s in plan["shards"]}
+    tokens = sum(shards_by_name[f]["num_tokens"] for f in todo)
+    needed = tokens * per_token + sum(8 * (shards_by_name[f]["num_samples"] + 1) + 1024 for f in todo)
+    s = plan["settings"]
+    print(f"02_extract_hidden: {len(todo)}/{len(plan['shards'])} shards to write, {tokens:,} tokens x {per_token:,} B/token "
+          f"(({len(s['aux_layer_ids'])} aux + final) x H {s['target_hidden_size']} x {dtype_bytes(s['dtype'])} B + 9 B ids/mask) "
+          f"= {format_bytes(needed)} needed", flush=True)
+    check_disk_space(hidden_dir, needed, cfg.extract.min_free_disk_gb)
+
+
+def run_extraction(cfg, overwrite: bool = False) -> dict:
+    """Extract all planned shards (this rank's share under torchrun). Returns a summary dict."""
+    from common.core.distributed import barrier, broadcast_object, close_distributed, init_distributed
+    from common.target.loading import load_target_info, torch_dtype
+
+    input_paths(Path(cfg.run_dir))  # a missing train.jsonl is reported before any heavy import
+    info = load_target_info(cfg)
+    _validate_aux_ids(info.aux_layer_ids)
+    _warn_vllm_limits(info)
+    hidden_dir = Path(cfg.run_dir) / "hidden"
+    # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
+    env = init_distributed("gloo", timeout=datetime.timedelta(days=7))
+    try:
+        _check_parallelism(cfg, info, env)
+        setup: dict | str
+        try:
+            setup = prepare(cfg, info, hidden_dir, overwrite) if env.is_main else None
+        except PipelineError as e:
+            setup = f"{type(e).__name__}:{e}"
+            if not env.distributed:
+                raise
+        setup = broadcast_object(setup, env)
+        if isinstance(setup, str):  # rank 0 failed; every rank reports the same one-line error
+            kind, msg = setup.split(":", 1)
+            raise {"ConfigError": ConfigError, "DataError": DataError}.get(kind, PipelineError)(msg)
+        plan, header = setup["plan"], setup["header"]
+        if setup["status"] == "complete":
+            index = build_index(header, plan["shards"], setup["entries"])
+            if env.is_main:
+                print(f"02_extract_hidden: already complete ({index['num_shards']} shards, {index['num_tokens']:,} tokens, "
+                      f"{format_bytes(index['bytes'])}) in {hidden_dir}; use --overwrite to redo", flush=True)
+                stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
+            return {"status": "complete", **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
+
+        def owner(f: str) -> int:
+            return int(f[len("shard-"):-len(".safetensors")]) % env.world_size
+
+        mine = [f for f in setup["todo"] if owner(f) == env.rank]
+        rounds = max(sum(owner(f) == r for f in setup["todo"]) for r in range(env.world_size))
+        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], env,
+                                  torch_dtype(cfg.extract.dtype), rounds)
+        barrier(env)
+        if env.is_main:
+            entries = read_entries(hidden_dir)
+            index = build_index(header, plan["shards"], entries)
+            atomic_write_json(hidden_dir / INDEX_NAME, index)
+            if index["complete"]:
+                for frag in hidden_dir.glob("index.rank-*.json"):
+                    frag.unlink(missing_ok=True)
+            print(f"02_extract_hidden: {'done' if index['complete'] else 'INCOMPLETE'}: {index['num_shards']}/{index['num_planned_shards']} "
+                  f"shards, {index['num_tokens']:,} tokens (train {index['splits']['train']['num_samples']} / eval "
+                  f"{index['splits']['eval']['num_samples']} samples), {format_bytes(index['bytes'])} in {hidden_dir}; "
+                  f"this run: {summary['tokens']:,} tokens in {summary['seconds']:.1f} s = {summary['tokens_per_s']:,.0f} tok/s, "
+                  f"{format_bytes(summary['bytes'])} written", flush=True)
+            summary["complete"] = index["complete"]
+            manifest = stage_manifest(cfg, info)
+            (manifest.complete if index["complete"] else manifest.partial)({"num_shards": index["num_shards"]})
+        return summary
+    finally:
+        close_distributed(env)
+
+
+def open_extractor(cfg, info, hidden_dir: Path, env: DistEnv, out_dtype):
+    """The backend that runs the target: HfExtractor, or VllmExtractor (common/extract/vllm_backend.py)."""
+    from common.extract.hf_backend import HfExtractor
+    from common.extract.vllm_backend import VllmExtractor, resolve_backend
+
+    backend = resolve_backend(cfg)
+    if env.is_main:
+        print(f"02_extract_hidden: extract.backend {backend}" + (f" (TP {cfg.extract.tensor_parallel_size}, DP {env.world_size}, "
+              f"expert parallel {cfg.extract.enable_expert_parallel})" if backend == "vllm" else ""), flush=True)
+    if backend == "hf":
+        return HfExtractor(cfg, info, env, out_dtype)
+    return VllmExtractor(cfg, info, out_dtype, hidden_dir, dp_rank=env.rank, dp_size=env.world_size)
+
+
+def _check_parallelism(cfg, info, env: DistEnv) -> None:
+    from common.extract.vllm_backend import check_vllm_target, resolve_backend
+
+    if resolve_backend(cfg) != "vllm":
+        return
+    check_vllm_target(cfg, info)
+    dp = cfg.extract.data_parallel_size
+    if env.world_size != dp:
+        raise ConfigError(
+            f"extract.data_parallel_size is {dp} but 02 runs as {env.world_size} process(es); the vllm backend runs one "
+            f"engine per process: start it with torchrun --nproc_per_node {dp} 02_extract_hidden.py ..." if dp > 1 else
+            f"02 runs under torchrun ({env.world_size} processes) with extract.backend vllm and extract.data_parallel_size 1; "
+            f"set --set extract.data_parallel_size={env.world_size}, or run one process (TP/EP come from extract.tensor_parallel_size)")
+
+
+def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
+                    env: DistEnv, out_dtype, rounds: int | None = None) -> dict:
+    """Extract this process's shards. rounds: how many shards the busiest rank has (vLLM data-parallel
+    engines step together, so a rank with fewer joins the remaining rounds with a dummy request)."""
+    extractor = open_extractor(cfg, info, hidden_dir, env, out_dtype)
+    placement = getattr(extractor, "placement", "vllm")
+    paths = {split: Path(cfg.run_dir) / "data" / f"{split}.jsonl" for split in plan["inputs"]}
+    shards = {s["file"]: s for s in plan["shards"]}
+    entries = dict(done)  # this process's view; rank 0 also sees the others' fragments when merging
+    my_entries: dict[str, dict] = {}
+    stats = {"tokens": 0, "bytes": 0}
+    total = sum(shards[f]["num_tokens"] for f in mine)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr,
+               desc="extract" if not env.distributed else f"extract[rank {env.rank}]")
+    log.info("target on %s; %d shards for this process", placement, len(mine))
+
+    def finish(name: str, samples: list[dict], batches: list[dict]) -> None:
+        # Runs in the writer thread: write the shard, then record it (index only after the rename).
+        shard = shards[name]
+        written = write_shard(hidden_dir / name, samples, batches)
+        entry = {"file": name, "split": shard["split"], "num_samples": shard["num_samples"],
+                 "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
+        my_entries[name] = entry
+        entries[name] = entry
+        if env.distributed:
+            atomic_write_json(hidden_dir / fragment_name(env.rank), {"rank": env.rank, "shards": list(my_entries.values())})
+        if env.is_main:
+            merged = {**read_entries(hidden_dir), **entries} if env.distributed else entries
+            atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], merged))
+        stats["bytes"] += written["bytes"]
+        bar.set_postfix_str(f"{format_bytes(stats['bytes'])} written", refresh=False)
+
+    def tick(n: int) -> None:
+        bar.update(n)
+        stats["tokens"] += n
+
+    start = time.perf_counter()
+    pending = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        try:
+            for name in mine:
+                shard = shards[name]
+                samples = read_shard_samples(paths[shard["split"]], shard)
+                batches = extractor.extract(samples, tick)
+                if pending is not None:
+                    pending.result()  # at most one shard waiting to be written: bounded memory
+                pending = writer.submit(finish, name, samples, batches)
+            for _ in range((rounds or 0) - len(mine)):
+                extractor.idle_round()
+            if pending is not None:
+                pending.result()
+        finally:
+            bar.close()
+            extractor.close()
+    seconds = time.perf_counter() - start
+    return {"status": "extracted", "tokens": stats["tokens"], "bytes": stats["bytes"], "seconds": seconds,
+            "tokens_per_s": stats["tokens"] / max(seconds, 1e-9), "shards": len(mine)}

@@ -1,0 +1,193 @@
+"""Export the draft in the checkpoint formats vLLM loads (docs/design.md#vllm-checkpoint-format).
+
+Official EAGLE-3 format (`export_vllm_draft`, what vLLM's `LlamaForCausalLMEagle3` reads):
+    config.json        DraftModelConfig.to_vllm_config(): architectures ["LlamaForCausalLMEagle3"],
+                       draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids, ...
+    model.safetensors  fc.weight [H, n_aux*H_t], midlayer.* (q/k/v_proj [.., 2H], hidden_norm, ...),
+                       layers.{k}.* for k >= 1, norm.weight, lm_head.weight [V_d, H],
+                       d2t int64 [V_d] (target id = i + d2t[i]), t2d bool [V];
+                       no embed_tokens (vLLM shares the target's) unless include_embedding.
+                       A full-vocabulary draft (draft_vocab_size = target vocab, as the published
+                       Kimi-K2.5 draft) has no d2t/t2d: vLLM then builds no draft_id_to_target_id but
+                       would still route a `d2t` tensor to it and fail to load.
+speculators format (`export_speculators_draft`): the same tensors with `midlayer.`
+renamed to `layers.0.`, embed_tokens included, and the speculators config.json, with
+norm_before_residual written explicitly (vLLM assumes True when it is missing).
+
+Both writers build the directory under a temporary name next to `out_dir` and rename it into
+place, so `out_dir` is either the previous complete export or the new complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common.model.draft import DraftModelConfig, Eagle3DraftModel
+from common.core.errors import DataError
+from common.core.io import fsync_dir
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def has_vocab_map(config: DraftModelConfig) -> bool:
+    """Whether the export carries d2t/t2d: not for a full-vocabulary draft (see the module docstring)."""
+    return config.draft_vocab_size != config.vocab_size
+
+
+def _draft_state_dict(model: Eagle3DraftModel, dtype: torch.dtype, include_embedding: bool) -> dict:
+    out = {}
+    full_vocab = not has_vocab_map(model.config)
+    if full_vocab and bool(model.d2t.any()):
+        raise DataError("the draft vocab is the whole target vocab but d2t reorders it, which vLLM cannot load "
+                        "(it takes draft id i as target id i); rebuild the vocab map with 03_build_vocab_map.py")
+    for name, tensor in model.state_dict().items():
+        if name.startswith("embed_tokens.") and not include_embedding:
+            continue
+        if full_vocab and name in ("d2t", "t2d"):
+            continue
+        if name == "d2t":
+            tensor = tensor.to(torch.int64)
+        elif name == "t2d":
+            tensor = tensor.to(torch.bool)
+        elif tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[name] = tensor.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _write_dir_atomically(out_dir: Path, files: dict) -> Path:
+    """files: name -> callable(path) that writes it. Renames the finished temp dir to out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for name, write in files.items():
+            write(tmp / name)
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".old-{out_dir.name}.{os.getpid()}"
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _json_writer(obj):
+    return lambda path: path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def _safetensors_writer(tensors: dict, metadata: dict | None = None):
+    from safetensors.torch import save_file
+
+    return lambda path: save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+
+
+def export_vllm_draft(model: Eagle3DraftModel, out_dir, dtype: torch.dtype = torch.bfloat16,
+                      extra_config: dict | None = None, include_embedding: bool = False) -> Path:
+    """Write the draft in the official EAGLE-3 format; returns out_dir."""
+    model = getattr(model, "module", model)
+    config = model.config.to_vllm_config(torch_dtype=_dtype_name(dtype), **(extra_config or {}))
+    tensors = _draft_state_dict(model, dtype, include_embedding)
+    return _write_dir_atomically(Path(out_dir), {
+        "config.json": _json_writer(config),
+        WEIGHTS_NAME: _safetensors_writer(tensors),
+    })
+
+
+def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_path: str,
+                             speculative_tokens: int, dtype: torch.dtype = torch.bfloat16,
+                             include_embedding: bool = True, verifier_architectures: list[str] | None = None,
+                             speculators_version: str = "0.3.0") -> Path:
+    """Write the draft in the speculators format; vLLM can serve the directory alone."""
+    model = getattr(model, "module", model)
+    c = model.config
+    official = c.to_vllm_config(torch_dtype=_dtype_name(dtype))
+    layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+                  "rope_theta", "rope_scaling", "initializer_range", "attention_bias", "mlp_bias",
+                  "tie_word_embeddings", "torch_dtype")
+    transformer_layer_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                **{k: official[k] for k in layer_keys}}
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_version": speculators_version,
+        "transformer_layer_config": transformer_layer_config,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier_name_or_path),
+                         "architectures": list(verifier_architectures or ["LlamaForCausalLM"])},
+        },
+        "torch_dtype": _dtype_name(dtype),
+    }
+    tensors = {}
+    for name, tensor in _draft_state_dict(model, dtype, include_embedding).items():
+        tensors["layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name] = tensor
+    return _write_dir_atomically(Path(out_dir), {
+        "config.json": _json_writer(config),
+        WEIGHTS_NAME: _safetensors_writer(tensors),
+    })
+
+
+def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
+                        device: str | torch.device = "cpu") -> Eagle3DraftModel:
+    """Rebuild the draft from an export (either format). Without embed_tokens in the file, pass the
+    target embedding as `embedding` (or call load_target_embedding later)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config_path, weights_path = path / "config.json", path / WEIGHTS_NAME
+    for p in (config_path, weights_path):
+        if not p.exists():
+            raise DataError(f"{p} is missing; '{path}' is not an exported EAGLE-3 draft (run 04_train.py or re-export)")
+    config = DraftModelConfig.from_vllm_config(json.loads(config_path.read_text(encoding="utf-8")))
+    model = Eagle3DraftModel(config)
+    state = {}
+    for name, tensor in load_file(str(weights_path)).items():
+        if name.startswith("layers.0."):  # speculators naming of layer 0
+            name = "midlayer." + name.removeprefix("layers.0.")
+        state[name] = tensor
+    own = model.state_dict()
+    # embed_tokens: shared from the target; d2t/t2d: absent from a full-vocab export (identity map, the default)
+    optional = {"d2t", "t2d"} if not has_vocab_map(config) else set()
+    missing = [k for k in own if k not in state and not k.startswith("embed_tokens.") and k not in optional]
+    unexpected = [k for k in state if k not in own]
+    wrong = [f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and v.shape != own[k].shape]
+    if missing or unexpected or wrong:
+        raise DataError(f"{weights_path} does not match its config.json: missing {missing}, "
+                        f"unexpected {unexpected}, wrong shapes {wrong}; re-export the draft")
+    model.load_state_dict(state, strict=False)
+    if embedding is not None:
+        model.load_target_embedding(embedding)
+    model.embed_tokens.weight.requires_grad_(False)
+    return model.to(device=device, dtype=dtype)

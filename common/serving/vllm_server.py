@@ -1,0 +1,341 @@
+"""Start and stop a vLLM OpenAI-compatible server, and read its Prometheus metrics.
+
+    with VllmServer(model_dir, reasoning_parser="deepseek_r1") as server:
+        client = OpenAI(base_url=server.base_url, api_key="EMPTY")
+        ...
+        spec = spec_decode_metrics(server.metrics())
+
+The server runs as `python -m vllm.entrypoints.openai.api_server` in its own process group
+(the `vllm` console command of the CPU build is broken, docs/design.md#vllm-on-cpu-machines), on a free loopback port
+when port=0, with its output written to `log_path`. On CPU (no CUDA) it gets the settings
+that work there: VLLM_CPU_KVCACHE_SPACE=1, --gpu-memory-utilization 0.3 (a share of host
+memory on CPU) and --enforce-eager (skips minutes of compilation). `stop()` sends SIGTERM to
+the group and SIGKILL after a grace period; it runs on exit of the `with` block and at
+interpreter exit, so no server outlives the process that started it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.core.errors import PipelineError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch, broken driver: treat as CPU
+        return False
+
+
+def _http_get(url: str, timeout: float = 5.0, api_key: Optional[str] = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+class VllmServer:
+    """A vLLM server subprocess; a context manager. Attributes: url, base_url, port, log_path."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_model_len: Optional[int] = 4096,
+        gpu_memory_utilization: Optional[float] = None,  # None: 0.3 on CPU, 0.9 on GPU
+        enforce_eager: Optional[bool] = None,  # None: True on CPU, False on GPU
+        tensor_parallel_size: int = 1,
+        reasoning_parser: Optional[str] = None,
+        speculative_config: Optional[dict] = None,
+        served_model_name: Optional[str] = None,
+        api_key: Optional[str] = None,  # passed as VLLM_API_KEY (never on the command line)
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 900.0,
+        log_path: Optional[str | os.PathLike] = None,
+        env: Optional[dict] = None,
+        python: str = sys.executable,
+        stop_grace_s: float = 20.0,
+    ):
+        self.model = str(model)
+        self.host = host
+        self.port = port or free_port(host)
+        self.on_gpu = cuda_available()
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization if gpu_memory_utilization is not None else (0.9 if self.on_gpu else 0.3)
+        self.enforce_eager = enforce_eager if enforce_eager is not None else (not self.on_gpu)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.reasoning_parser = reasoning_parser
+        self.speculative_config = speculative_config
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.extra_args = list(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
+        self.env = env
+        self.python = python
+        self.stop_grace_s = stop_grace_s
+        self.process: Optional[subprocess.Popen] = None
+        self.startup_seconds: Optional[float] = None
+
+    @classmethod
+    def from_config(cls, cfg, model: Optional[str] = None, **overrides) -> "VllmServer":
+        """A server for cfg.target.model (or `model`) with the cfg.server settings.
+
+        On CPU the GPU-oriented defaults (memory share, eager mode) are replaced by the CPU ones.
+        """
+        s = cfg.server
+        on_gpu = cuda_available()
+        kwargs: dict[str, Any] = dict(
+            port=s.port,
+            max_model_len=s.max_model_len,
+            gpu_memory_utilization=s.gpu_memory_utilization if on_gpu else None,
+            enforce_eager=s.enforce_eager if on_gpu else None,
+            tensor_parallel_size=s.tensor_parallel_size,
+            reasoning_parser=s.reasoning_parser,
+            extra_args=s.extra_args,
+            startup_timeout_s=s.startup_timeout_s,
+            log_path=cfg.run_path / "logs" / "vllm_server.log",
+        )
+        kwargs.update(overrides)
+        return cls(model or cfg.target.model, **kwargs)
+
+    # ---- addresses
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API root (what generate.base_url takes)."""
+        return f"{self.url}/v1"
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+        ]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.enforce_eager:
+            cmd += ["--enforce-eager"]
+        if self.reasoning_parser:
+            cmd += ["--reasoning-parser", self.reasoning_parser]
+        if self.speculative_config:
+            cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd + self.extra_args
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        if not self.on_gpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default is far larger
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        env.update(self.env or {})
+        return env
+
+    # ---- lifecycle
+    def start(self) -> "VllmServer":
+        if self.process is not None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")
+        t0 = time.monotonic()
+        try:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self._env(), start_new_session=True,  # own process group: stop() reaches the workers too
+            )
+        finally:
+            log_file.close()  # the child holds its own descriptor
+        atexit.register(self.stop)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def wait_ready(self) -> None:
+        """Poll /health, then /v1/models, until both answer; fail fast if the process dies."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise PipelineError(
+                    f"vLLM server for {self.model} exited with code {code} during startup (full log: {self.log_path}); "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"vLLM server for {self.model} not ready after {self.startup_timeout_s:.0f}s "
+                    f"(server.startup_timeout_s; log: {self.log_path}); last log lines:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def is_ready(self) -> bool:
+        try:
+            code, _ = _http_get(self.url + "/health", timeout=2.0)
+            if code != 200:
+                return False
+            code, body = _http_get(self.base_url + "/models", timeout=5.0, api_key=self.api_key)
+            return code == 200 and bool(json.loads(body).get("data"))
+        except (OSError, ValueError):
+            return False
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join("    " + line for line in lines[-n:])
+
+    def stop(self) -> None:
+        """SIGTERM to the process group; SIGKILL after stop_grace_s. Idempotent."""
+        proc = self.process
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group may hold workers that outlive the main process: kill what is left.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.process = None
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- metrics
+    def metrics(self) -> dict[str, list[tuple[dict, float]]]:
+        return scrape_metrics(self.url, api_key=self.api_key)
+
+
+# ----------------------------------------------------------------------------- Prometheus
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """Prometheus text exposition -> {sample name: [(labels, value), ...]}, read with
+    prometheus_client's parser (installed with vLLM). Counter samples keep their exposed name
+    (`..._total`); the `_created` timestamps are dropped. Raises ValueError on malformed text."""
+    out: dict[str, list[tuple[dict, float]]] = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                out[sample.name].append((dict(sample.labels), float(sample.value)))
+    return dict(out)
+
+
+def scrape_metrics(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> dict[str, list[tuple[dict, float]]]:
+    """GET {server root}/metrics and parse it. `url` may be the root or the .../v1 base URL."""
+    root = url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    try:
+        code, body = _http_get(root + "/metrics", timeout=timeout, api_key=api_key)
+    except OSError as e:
+        raise PipelineError(f"cannot read metrics from {root}/metrics ({e}); is the vLLM server running?") from None
+    if code != 200:
+        raise PipelineError(f"{root}/metrics answered HTTP {code}; is this a vLLM server?")
+    try:
+        return parse_prometheus(body)
+    except ValueError as e:
+        raise PipelineError(f"{root}/metrics is not in the Prometheus text format ({e}); is this a vLLM server?") from None
+
+
+def _total(samples: dict, name: str) -> float:
+    """Sum of a counter over all label sets (engines, model names); accepts the name with or without _total."""
+    rows = samples.get(name + "_total") or samples.get(name) or []
+    return sum(v for _, v in rows)
+
+
+def spec_decode_metrics(samples: dict) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters, summed over engines, plus derived rates.
+
+    acceptance_length = 1 + accepted / drafts (tokens per target forward pass);
+    acceptance_rate_per_pos[k] = accepted at draft position k / drafts.
+    """
+    drafts = _total(samples, "vllm:spec_decode_num_drafts")
+    draft_tokens = _total(samples, "vllm:spec_decode_num_draft_tokens")
+    accepted = _total(samples, "vllm:spec_decode_num_accepted_tokens")
+    per_pos: dict[int, float] = defaultdict(float)
+    rows = samples.get("vllm:spec_decode_num_accepted_tokens_per_pos_total") or samples.get(
+        "vllm:spec_decode_num_accepted_tokens_per_pos"
+    ) or []
+    for labels, v in rows:
+        if "position" in labels:
+            per_pos[int(labels["position"])] += v
+    return _spec_decode_summary(drafts, draft_tokens, accepted, dict(sorted(per_pos.items())))
+
+
+def _spec_decode_summary(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float]) -> dict[str, Any]:
+    """The counters plus what they imply: acceptance length = 1 + accepted / drafts."""
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_rate_per_pos": {k: v / drafts for k, v in per_pos.items()} if drafts else {},
+    }
+
+
+def metrics_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """spec_decode_metrics(after) - spec_decode_metrics(before): the counters of one benchmark window."""
+    drafts = after["num_drafts"] - before["num_drafts"]
+    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    per_pos = {k: v - before["num_accepted_tokens_per_pos"].get(k, 0.0) for k, v in after["num_accepted_tokens_per_pos"].items()}
+    return _spec_decode_summary(drafts, draft_tokens, accepted, per_pos)

@@ -1,0 +1,311 @@
+"""Chat-template tokenization with a loss mask on what the model generated.
+
+`tokenize_conversation` renders a whole conversation with the target tokenizer's own chat
+template and marks with loss_mask=1 exactly the tokens the model produced in its assistant
+turns: the reasoning with its <think>/</think> delimiters, the content and the end-of-turn
+token. System, user and template tokens (role headers, the newline after the end-of-turn
+token) get 0.
+
+It is template-agnostic. For assistant turn i:
+    prefix  = render(messages[:i], add_generation_prompt=True)   # what the model was given
+    through = render(messages[:i + 1])                           # ... plus what it produced
+The assistant span is the characters between the two. Both must be prefixes of the full
+rendering (templates that rewrite earlier turns, e.g. drop old reasoning, break this and get
+a DataError). Characters map to tokens through the fast tokenizer's offset mapping; a slow
+tokenizer (no offsets, e.g. Kimi's TikToken one) tokenizes prefix and through separately
+instead, and the first must be a token prefix of the second. Within the span, everything
+after the last stop token (eos / generation_config eos ids) is template text (Qwen's "\\n"
+after <|im_end|>) and gets 0.
+
+`tokenize_server_ids` is the other source of samples (tokenize.token_ids_from=server): the
+exact ids vLLM reports for the last turn, prompt (loss 0) + completion (loss 1). It needs no
+template round trip, so it works for templates that rewrite what the model generated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Optional
+
+from common.core.errors import DataError
+
+# Message keys templates use for an assistant's reasoning: current vLLM and our templates
+# read `reasoning`, Qwen3/DeepSeek/Kimi templates read `reasoning_content`. We set both,
+# like vLLM's own chat renderer does.
+REASONING_KEYS = ("reasoning", "reasoning_content")
+
+
+class TokenBoundaryError(DataError):
+    """One conversation's reply merges into a token with the text before or after it, so its
+    tokens cannot be located. Depends on the sample (e.g. a reply starting with whitespace the
+    generation prompt ends with): 01b counts it as a skip instead of stopping."""
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, require_chat_template: bool = True):
+    """The target's tokenizer, fast or slow (slow ones, like Kimi's TikToken tokenizer, need
+    trust_remote_code and take the token-prefix path in tokenize_conversation)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        hint = "" if trust_remote_code else " (if the model ships its own tokenizer code, set target.trust_remote_code=true)"
+        raise DataError(
+            f"cannot load the target tokenizer from '{name_or_path}' ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+            f"set target.tokenizer or target.model to a local model directory{hint}"
+        ) from None
+    if require_chat_template and not getattr(tok, "chat_template", None):
+        raise DataError(f"the tokenizer at '{name_or_path}' has no chat_template; the target must ship one")
+    return tok
+
+
+def stop_token_ids(tokenizer, model_dir: Optional[str] = None) -> set[int]:
+    """Token ids that end an assistant turn: the tokenizer's eos plus generation_config's eos ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_dir is not None:
+        gen_cfg = Path(model_dir) / "generation_config.json"
+        if gen_cfg.is_file():
+            try:
+                eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError):
+                eos = None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(i) for i in eos if isinstance(i, int))
+    return ids
+
+
+def _reasoning_of(message: dict) -> str:
+    return next((message[k] for k in REASONING_KEYS if message.get(k)), "") or ""
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as the template sees them: content never None, reasoning under every key templates use."""
+    out = []
+    for m in messages:
+        t = {k: v for k, v in m.items() if k not in REASONING_KEYS}
+        t["content"] = m.get("content") or ""
+        reasoning = _reasoning_of(m)
+        if m.get("role") == "assistant" and reasoning:
+            for k in REASONING_KEYS:
+                t[k] = reasoning
+        out.append(t)
+    return out
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except Exception as e:  # jinja errors (raise_exception in templates) come in many types
+        raise DataError(f"the target's chat template failed to render a conversation: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str):
+        raise DataError(f"the chat template returned {type(text).__name__}, expected a string")
+    return text
+
+
+def assistant_char_spans(
+    tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return (text, [(start, end) char span of each assistant turn]).
+
+    Raises DataError when the template breaks the prefix property or drops an assistant's
+    reasoning or content.
+    """
+    template_kwargs = template_kwargs or {}
+    msgs = _template_messages(messages)
+    full = _render(tokenizer, msgs, False, template_kwargs)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, msgs[:i], True, template_kwargs)
+        through = _render(tokenizer, msgs[: i + 1], False, template_kwargs)
+        if not (through.startswith(prefix) and full.startswith(through)):
+            raise DataError(
+                "the target's chat template is not prefix-stable: rendering the conversation up to assistant "
+                f"turn {i} (with add_generation_prompt=True, then through that turn) is not a prefix of the full "
+                "rendering, so the tokens the model generated cannot be located (templates that rewrite earlier "
+                "turns, e.g. drop old reasoning, do this); use data.max_user_turns=1 or a template that renders "
+                "history verbatim"
+            )
+        start, end = len(prefix), len(through)
+        span = full[start:end]
+        reasoning = _reasoning_of(m)
+        if reasoning and reasoning not in span:
+            raise DataError(
+                f"the target's chat template does not render assistant reasoning (message keys {REASONING_KEYS}); "
+                "the mask would miss the reasoning tokens: use a template that renders `reasoning` or "
+                "`reasoning_content`"
+            )
+        if m["content"] and m["content"] not in span:
+            raise DataError("the target's chat template changes the assistant content when rendering it; cannot mask it")
+        spans.append((start, end))
+    return full, spans
+
+
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    max_seq_len: int,
+    overlong: str = "truncate",
+    *,
+    stop_ids: Optional[Iterable[int]] = None,
+    template_kwargs: Optional[dict] = None,
+    stats: Optional[Counter] = None,
+) -> Optional[dict]:
+    """Tokenize one conversation -> {"input_ids", "loss_mask"}, or None when it is skipped.
+
+    overlong: "truncate" keeps the first max_seq_len tokens, "drop" skips the sample.
+    Raises DataError when the template cannot reproduce the turns, TokenBoundaryError (a
+    DataError) when a token straddles a reply's start or end.
+    Skips (None) are counted in `stats` (a Counter) under a reason key:
+    empty_assistant (an assistant turn with neither content nor reasoning), no_assistant,
+    dropped_overlong, no_loss_tokens (nothing left to learn after truncation).
+    """
+    stats = stats if stats is not None else Counter()
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if not assistants:
+        stats["no_assistant"] += 1
+        return None
+    if any(not (m.get("content") or "").strip() and not _reasoning_of(m).strip() for m in assistants):
+        stats["empty_assistant"] += 1
+        return None
+
+    text, spans = assistant_char_spans(tokenizer, messages, template_kwargs)
+    if getattr(tokenizer, "is_fast", False):
+        input_ids, token_spans = _token_spans_from_offsets(tokenizer, text, spans)
+    else:
+        input_ids, token_spans = _token_spans_from_prefixes(tokenizer, text, spans)
+    stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
+
+    loss_mask = [0] * len(input_ids)
+    for idx in token_spans:
+        # Everything after the last stop token is template text the model never generated.
+        last_stop = max((j for j, t in enumerate(idx) if input_ids[t] in stop_ids), default=None)
+        if last_stop is not None:
+            idx = idx[: last_stop + 1]
+        for t in idx:
+            loss_mask[t] = 1
+    return _fit(input_ids, loss_mask, max_seq_len, overlong, stats)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _token_spans_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+    """Fast tokenizer: the tokens that begin inside each assistant char span."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    for i, (start, end) in enumerate(spans):
+        if any(s < edge < e for s, e in offsets for edge in (start, end)):
+            raise TokenBoundaryError(
+                f"a token of the rendered conversation straddles the start or end of assistant reply {i + 1} (a token "
+                "merges across the boundary between the generation prompt and the reply), so the generated tokens "
+                "cannot be located; set tokenize.token_ids_from=server to take token ids from vLLM instead"
+            )
+    token_spans = [[t for t, (s, e) in enumerate(offsets) if start <= s < end and e > s] for start, end in spans]
+    return list(enc["input_ids"]), token_spans
+
+
+def _token_spans_from_prefixes(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+    """Slow tokenizer (no offsets): tokenize the text up to each span's start and end; both must
+    be token prefixes of the full tokenization, and the span is the tokens between them."""
+    input_ids = _encode(tokenizer, text)
+    token_spans = []
+    for i, (start, end) in enumerate(spans):
+        before, through = _encode(tokenizer, text[:start]), _encode(tokenizer, text[:end])
+        if through[: len(before)] != before or input_ids[: len(through)] != through:
+            raise TokenBoundaryError(
+                f"the target tokenizer is not a fast tokenizer (no offset mappings), and the tokens of the conversation "
+                f"up to assistant reply {i + 1} are not a prefix of the tokens through it (a token merges across "
+                "the boundary between the generation prompt and the reply), so the generated tokens cannot be located; "
+                "set tokenize.token_ids_from=server to take token ids from vLLM instead"
+            )
+        token_spans.append(list(range(len(before), len(through))))
+    return input_ids, token_spans
+
+
+def _fit(input_ids: list[int], loss_mask: list[int], max_seq_len: int, overlong: str, stats: Counter) -> Optional[dict]:
+    """Apply max_seq_len (truncate or drop) and the nothing-to-learn check; count the outcome."""
+    if len(input_ids) > max_seq_len:
+        if overlong == "drop":
+            stats["dropped_overlong"] += 1
+            return None
+        input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
+        stats["truncated"] += 1
+    if not any(loss_mask):
+        stats["no_loss_tokens"] += 1
+        return None
+    stats["kept"] += 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def tokenize_server_ids(
+    prompt_token_ids: list[int],
+    completion_token_ids: list[int],
+    max_seq_len: int,
+    overlong: str = "truncate",
+    *,
+    stats: Optional[Counter] = None,
+) -> Optional[dict]:
+    """A sample from the ids the server reported for one request (tokenize.token_ids_from=server).
+
+    input_ids = prompt ids + completion ids, exactly what the target read and generated; loss 1
+    on the completion (reasoning, </think>, content and the stop token, as sampled), 0 on the
+    prompt. For a multi-turn conversation pass the LAST turn's ids: its prompt holds the earlier
+    turns as the chat template re-renders them (Kimi-K2.5 strips their reasoning), which is not
+    what the model generated then, so they are context with loss 0. Same truncate/drop and
+    skip counting as tokenize_conversation.
+    """
+    stats = stats if stats is not None else Counter()
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    prompt_ids, completion_ids = [int(t) for t in prompt_token_ids], [int(t) for t in completion_token_ids]
+    return _fit(prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids), max_seq_len, overlong, stats)
+
+
+def parse_tokenized_line(line: bytes, path, lineno: int) -> dict:
+    """Parse and check one line of data/train.jsonl or eval.jsonl: {"id", "input_ids", "loss_mask"}.
+
+    Every reader of tokenized samples (02, 03) goes through here, so a bad line gives the
+    same one-line error naming file, line and sample id wherever it is found.
+    """
+    where = f"{path}:{lineno}"
+    try:
+        row = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{where}: malformed JSONL line ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
+    if not isinstance(row, dict) or not all(k in row for k in ("id", "input_ids", "loss_mask")):
+        raise DataError(f"{where}: expected an object with id, input_ids and loss_mask; rerun 01b_generate_synthetic.py --overwrite")
+    sid, ids, mask = str(row["id"]), row["input_ids"], row["loss_mask"]
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise DataError(f"{where}: sample '{sid}': input_ids and loss_mask must be lists of the same length")
+    if not all(type(t) is int for t in ids):
+        raise DataError(f"{where}: sample '{sid}': input_ids must be integers; rerun 01b_generate_synthetic.py --overwrite")
+    if not all(m in (0, 1) and type(m) is int for m in mask):
+        raise DataError(f"{where}: sample '{sid}': loss_mask must contain only 0 and 1")
+    return {"id": sid, "input_ids": ids, "loss_mask": mask}
+
+
+def check_token_range(sample: dict, vocab_size: int, model: str = "the target") -> None:
+    """Token ids outside the target vocab mean the data was tokenized with another tokenizer."""
+    ids = sample["input_ids"]
+    if not ids:
+        return
+    hi, lo = max(ids), min(ids)
+    if hi >= vocab_size or lo < 0:
+        bad = hi if hi >= vocab_size else lo
+        raise DataError(
+            f"sample '{sample['id']}' has token id {bad}, outside the target vocab [0, {vocab_size}) of {model}: "
+            f"the data was tokenized with a different tokenizer; rerun 01b_generate_synthetic.py with the target's tokenizer"
+        )

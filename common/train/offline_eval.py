@@ -1,0 +1,60 @@
+"""Stage 04's offline evaluation: teacher-forced accuracy of each TTT step on the eval split, and
+the acceptance length vLLM will measure, predicted by replaying its rounds (common.model.acceptance;
+docs/design.md#ttt-alignment-and-loss)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from common.model.acceptance import ReplayTotals, product_formula
+from common.core.distributed import DistEnv, NamedSums, all_reduce_sum
+from common.train.data import HiddenIndex, eval_micro_batches
+from common.model.ttt import ttt_loss
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader, cfg, env: DistEnv, autocast) -> Optional[dict]:
+    """Teacher-forced per-TTT-step accuracy on the eval split, and the implied acceptance length."""
+    mine, per_rank, stand_in = eval_micro_batches(index, cfg.train.batch_max_tokens, env.world_size, env.rank)
+    if per_rank == 0:
+        return None
+    K = cfg.train.ttt_steps
+    # losses weighted by their denominators, so the report is a mean over positions, not batches
+    sums = NamedSums(weighted_loss=1, denominator=1, weighted_step_losses=K, step_correct=K, step_counts=K)
+    # vLLM's rounds replayed over each sample, limited to the tokens 05 lets vLLM generate
+    replay = ReplayTotals(K, max_new_tokens=cfg.evaluate.max_tokens)
+    was_training = model.training
+    model.eval()
+    for mb_samples in mine:
+        # FSDP needs every rank in every forward: a rank short of eval batches reruns one and ignores it.
+        if mb_samples is None and not (env.distributed and cfg.train.parallel == "fsdp"):
+            continue
+        mb = reader.read(mb_samples if mb_samples is not None else stand_in).to(env.device)
+        with autocast():
+            out = ttt_loss(model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
+                           mb.seq_lens, lm_head, K, cfg.train.loss_decay, per_position=True)
+        if mb_samples is None:
+            continue
+        replay.add_packed_row(out.step_hits.cpu().numpy(), mb.loss_mask.reshape(-1).cpu().numpy(), mb.seq_lens)
+        den = out.denominator
+        sums.add(weighted_loss=float(out.loss) * den, denominator=den,
+                 weighted_step_losses=[x * den for x in out.step_losses], step_correct=out.step_correct,
+                 step_counts=out.step_counts)
+    model.train(was_training)
+    totals = sums.all_reduced(env)
+    replay.load_list(all_reduce_sum(torch.tensor(replay.to_list(), dtype=torch.float64), env).tolist())
+    den = max(1.0, float(totals["denominator"]))
+    counts = totals["step_counts"]
+    acc = [float(c) / max(1.0, float(m)) for c, m in zip(totals["step_correct"], counts)]
+    return {
+        "loss": float(totals["weighted_loss"]) / den,
+        "step_losses": [float(x) / den for x in totals["weighted_step_losses"]],
+        "step_acc": acc,
+        "step_counts": [int(c) for c in counts],
+        "tau": {str(k): product_formula(acc, k) for k in range(1, K + 1)},  # biased upward; kept for comparison
+        "replay": replay.report(),  # the prediction of vLLM's acceptance (common.model.acceptance)
+        "num_samples": len(index.split_indices("eval")),
+    }

@@ -1,0 +1,412 @@
+"""Stage 04: train the EAGLE-3 draft head on extracted hidden states.
+
+Reads hidden/ (common.train.data), the vocab map (common.vocab.vocab_map) and the target's embedding
+(frozen, inside the draft) and lm_head (the teacher: on the device, never trained or saved). Writes
+under run_dir/train/: checkpoints/step-N/ (common.train.checkpoint), metrics.jsonl, tb/ (TensorBoard, if
+installed), eval_report.json and final/ (the vLLM-loadable draft, common.train.export). Formats:
+docs/design.md#artifact-formats; the loss: docs/design.md#ttt-alignment-and-loss.
+
+Runs:
+    python 04_train.py --config configs/run.yaml                      # 1 process (CPU or 1 GPU)
+    torchrun --nproc_per_node 8 04_train.py --config configs/run.yaml   # 8 GPUs, one node
+    # several nodes (run on every node; HOST = node 0; needs a shared filesystem for run_dir):
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+        --rdzv_id eagle3 04_train.py --config configs/run.yaml
+
+Parallelism. train.parallel = "ddp" (default) or "fsdp" (FSDP2; common.core.distributed.wrap_parallel).
+Checkpoints hold full (unsharded) state dicts, so a run can resume with another world size or the
+other parallel mode.
+
+Batches. Micro-batches are packed rows of at most train.batch_max_tokens tokens; one optimizer
+step uses world_size * grad_accum of them (see common.train.data for the order). Each
+micro-batch loss is divided by the position count of the whole global step, so one process
+with grad_accum=2 computes the same update as two processes with grad_accum=1.
+total steps = train.max_steps, or sum over epochs of ceil(micro-batches / (world * grad_accum)).
+
+Resume. The latest complete checkpoint is picked up automatically; a resumed run continues
+exactly (on CPU the final weights equal an uninterrupted run's bit for bit). --overwrite
+starts over. A run whose train/final is complete for the configured number of steps exits 0
+(docs/design.md#resume-rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, ContextManager, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from common.model.acceptance import describe as describe_acceptance
+from common.train.checkpoint import clean_train_dir, load_latest, save_checkpoint, truncate_metrics
+from common.core.distributed import (DistEnv, NamedSums, barrier, broadcast_object, close_distributed, init_distributed,
+                                wrap_parallel)
+from common.train.offline_eval import evaluate
+from common.model.draft import Eagle3DraftModel, build_draft_config
+from common.core.errors import ConfigError, DataError, PipelineError
+from common.train.export import export_final
+from common.core.io import JsonlAppender, atomic_write_json, read_json
+from common.target.loading import load_target_info, load_target_tensors
+from common.train.optim import build_optimizer, lr_at, set_lr
+from common.core.run_folder import Layout, StageManifest
+from common.train.tensorboard import TensorBoard
+from common.train.data import DataPosition, HiddenIndex, TrainData, verify_shard_files
+from common.model.ttt import ttt_loss
+from common.vocab.vocab_map import MAP_NAME, load_vocab_map
+
+
+# ---------------------------------------------------------------------------------------
+# Precision
+
+
+def resolve_precision(cfg, device: torch.device) -> tuple[torch.dtype, Callable[[], ContextManager]]:
+    """The compute dtype and its autocast context: train.precision "auto" = bf16 autocast on GPU,
+    fp32 on CPU (the weights themselves stay fp32)."""
+    p = cfg.train.precision
+    if p == "auto":
+        p = "bf16" if device.type == "cuda" else "fp32"
+    if p != "bf16":
+        return torch.float32, contextlib.nullcontext
+    return torch.bfloat16, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+
+
+def run_training(cfg, overwrite: bool = False) -> int:
+    env = init_distributed()
+    try:
+        return Trainer(cfg, env).run(overwrite)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise PipelineError(f"cannot write under {Path(cfg.run_dir) / 'train'}: {e.strerror}; free disk space and rerun: "
+                                f"training resumes from the last complete checkpoint") from None
+        raise
+    finally:
+        close_distributed(env)
+
+
+class Trainer:
+    """One training run: inputs -> model -> (resume) -> steps with logging, eval, checkpoints -> export."""
+
+    def __init__(self, cfg, env: DistEnv):
+        self.cfg, self.env, self.t = cfg, env, cfg.train
+        layout = Layout.of(cfg)
+        self.train_dir, self.ckpt_dir, self.metrics_path = layout.train, layout.checkpoints, layout.metrics
+
+        # Inputs, validated before anything is written.
+        run_dir = Path(cfg.run_dir)
+        self.index = HiddenIndex.load(run_dir / "hidden")
+        self.info = load_target_info(cfg)
+        if list(self.info.aux_layer_ids) != list(self.index.aux_layer_ids):
+            raise ConfigError(
+                f"the hidden states in {run_dir / 'hidden'} were extracted at aux layers {self.index.aux_layer_ids} but the "
+                f"config resolves target.aux_layer_ids to {self.info.aux_layer_ids}; rerun 02_extract_hidden.py --overwrite "
+                f"(or fix target.aux_layer_ids)"
+            )
+        if self.index.target_hidden_size != self.info.hidden_size:
+            raise DataError(
+                f"hidden states have width {self.index.target_hidden_size} but target.model has hidden size "
+                f"{self.info.hidden_size}; they come from another model: rerun 02_extract_hidden.py --overwrite"
+            )
+        self.d2t, self.t2d = load_vocab_map(run_dir / "vocab" / MAP_NAME, self.info.vocab_size, cfg.vocab.draft_vocab_size)
+        self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
+
+        self.dtype, self.autocast = resolve_precision(cfg, env.device)
+        self.on_gpu = env.device.type == "cuda"
+        t = self.t
+        self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank,
+                              grad_accum=t.grad_accum, dtype=self.dtype, num_workers=t.num_workers, pin_memory=self.on_gpu)
+        self.total_steps = t.max_steps or self.data.total_steps(t.epochs)
+        # What a checkpoint must agree with to be resumable (hyper-parameters like lr may change).
+        self.fingerprint = fingerprint({
+            "draft": dataclasses.asdict(self.draft_cfg), "data": self.index.fingerprint(),
+            "d2t": hashlib.sha256(self.d2t.numpy().tobytes()).hexdigest(),
+            "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
+        })
+        self.K = t.ttt_steps
+        # printed: the served k (05's) and all steps; eval_report.json has every k = 1..ttt_steps
+        self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
+
+    def say(self, *args) -> None:
+        if self.env.is_main:
+            print(*args, flush=True)
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def build_model(self) -> None:
+        """Draft (seeded: every rank builds the same weights), teacher lm_head, parallel wrapper, AdamW."""
+        t, env = self.t, self.env
+        torch.manual_seed(t.seed)
+        random.seed(t.seed + env.rank)
+        np.random.seed(t.seed + env.rank)
+        if not self.on_gpu:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        target = load_target_tensors(self.cfg.target.model)
+        draft = Eagle3DraftModel(self.draft_cfg)
+        draft.load_target_embedding(target["embed"].float())
+        if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:
+            draft.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: same values, half the memory
+        draft.set_vocab_map(self.d2t, self.t2d)
+        if t.init_lm_head == "target":  # start from the target's own head, restricted to the draft vocab
+            with torch.no_grad():
+                draft.lm_head.weight.copy_(target["lm_head"][draft.draft_vocab_target_ids()].float())
+        draft.gradient_checkpointing = t.gradient_checkpointing
+        draft.attention_impl = t.attention_impl
+        draft.to(env.device)
+        self.draft = draft
+        # The teacher's lm_head: on the device, in the compute dtype; not trained, not saved.
+        self.lm_head = target["lm_head"].to(env.device, dtype=self.dtype)
+        del target
+        self.model = wrap_parallel(draft, env, t.parallel, self.dtype)
+        self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
+        self.is_fsdp = env.distributed and t.parallel == "fsdp"
+
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.n_params = sum(p.numel() for p in self.params)
+        self.optimizer = build_optimizer(draft, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu)
+
+    def init_state(self) -> None:
+        """Fresh counters, or the latest complete checkpoint's."""
+        self.step, self.pos = 0, DataPosition()
+        self.tokens_seen, self.elapsed_before, self.last_train_loss = 0, 0.0, float("nan")
+        K = self.K  # the layout of checkpointed log windows: keep the order
+        self.window = NamedSums(loss=1, tokens=1, step_losses=K, step_correct=K, step_counts=K)
+        self.window_steps, self.window_time = 0, 0.0
+        self.last_eval = None
+        latest = load_latest(self.ckpt_dir, self.draft, self.optimizer, self.env)  # skips damaged ones
+        if latest is not None:
+            path, state = latest
+            if state.get("fingerprint") != self.fingerprint:
+                raise ConfigError(
+                    f"checkpoint {path} was made with another draft architecture, data set or packing (draft.*, hidden/, "
+                    f"vocab/, train.batch_max_tokens or train.seed changed); rerun with --overwrite to start over"
+                )
+            self.step, self.pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
+            self.tokens_seen, self.elapsed_before = int(state["tokens_seen"]), float(state["elapsed_s"])
+            self.last_train_loss = float(state.get("last_train_loss", float("nan")))
+            rank_state = state["rank_state"]
+            if state.get("world_size") == self.env.world_size and "log_window" in rank_state:
+                # continue the interrupted run's partial logging window: identical metrics lines
+                self.window.load_flat(rank_state["log_window"])
+                self.window_steps, self.window_time = int(rank_state["window_steps"]), float(rank_state["window_time"])
+            self.say(f"04_train: resuming from {path} (step {self.step}/{self.total_steps}, epoch {self.pos.epoch})")
+            if state.get("global_micro_batches") != self.data.micro_per_step:
+                self.say(f"04_train: note: the global batch changed from {state.get('global_micro_batches')} to "
+                         f"{self.data.micro_per_step} micro-batches per step")
+        if self.env.is_main:
+            dropped = truncate_metrics(self.metrics_path, self.step)
+            if dropped:
+                self.say(f"04_train: dropped {dropped} metrics lines after step {self.step} (they are recomputed)")
+            report = self.train_dir / "eval_report.json"
+            if report.is_file() and read_json(report).get("step") == self.step:
+                self.last_eval = read_json(report)
+        barrier(self.env)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self, overwrite: bool) -> int:
+        env, t = self.env, self.t
+        status = self.check_outputs(overwrite)
+        if status == "complete":
+            self.say(f"04_train: already complete ({self.total_steps} steps, draft in {self.train_dir / 'final'}); nothing to do "
+                     f"(use --overwrite to retrain)")
+            if env.is_main:
+                self.manifest.record("already_complete")
+            return 0
+        verify_shard_files(self.index, Layout.of(self.cfg), env, self.cfg.extract.verify)
+        if env.is_main:
+            self.train_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.ckpt_dir.glob(".tmp-step-*") if self.ckpt_dir.is_dir() else []:
+                shutil.rmtree(stale, ignore_errors=True)
+        barrier(env)
+
+        self.build_model()
+        self.init_state()
+        self.say(
+            f"04_train: draft {self.n_params / 1e6:.2f}M trainable params (hidden {self.draft_cfg.hidden_size}, "
+            f"V_d {self.draft_cfg.draft_vocab_size}), {len(self.data.samples)} train samples / {self.data.num_tokens} tokens, "
+            f"{env.world_size} process(es) x grad_accum {t.grad_accum}, {self.total_steps} steps, "
+            f"{str(self.dtype).replace('torch.', '')} on {env.device.type}, parallel={t.parallel if env.distributed else 'none'}"
+        )
+        self.metrics = JsonlAppender(self.metrics_path, fsync_every=1) if env.is_main else None
+        self.tb = TensorBoard(self.train_dir / "tb", env.is_main, purge_step=self.step + 1 if self.step else None)
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not env.is_main, dynamic_ncols=True, desc="04_train")
+        self.t_start = time.time()
+        self.batches = self.data.stream(self.pos, self.total_steps - self.step)
+        self.model.train()
+        try:
+            while self.step < self.total_steps:
+                self.train_step()
+                done = self.step == self.total_steps
+                if self.step % t.log_every == 0 or done:
+                    self.log()
+                if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
+                    self.last_eval = self.evaluate() or self.last_eval
+                if self.step % t.checkpoint_every == 0 or done:
+                    self.save()
+            self.bar.close()
+            self.finish()
+            if env.is_main:
+                self.manifest.complete({"steps": self.step})  # last: train/final is whole
+        finally:
+            self.close_logs()
+        return 0
+
+    def check_outputs(self, overwrite: bool) -> str:
+        """"complete", "resume" or "fresh", from train/'s stage manifest (rank 0 decides, every rank
+        gets the answer). Outputs made from another hidden/ or vocab/, or another draft, data order
+        or packing, are an error that asks for --overwrite: never a stale train/final."""
+        decision = None
+        if self.env.is_main:
+            try:
+                if overwrite:
+                    clean_train_dir(self.train_dir)
+                layout = Layout.of(self.cfg)
+                self.manifest = StageManifest(
+                    layout, "04_train",
+                    inputs={"hidden/index.json": layout.hidden_index, "vocab/vocab_map.safetensors": layout.vocab_map},
+                    settings={"target_model": self.cfg.target.model, "draft": dataclasses.asdict(self.draft_cfg),
+                              "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed})
+                decision = self.manifest.begin(overwrite, outputs=[layout.final],
+                                               started=layout.final.exists() or layout.checkpoints.exists())
+                if decision == "complete" and int(self.manifest.result.get("steps", -1)) < self.total_steps:
+                    self.manifest.partial(self.manifest.result)  # more steps asked for: train on from the last checkpoint
+                    decision = "resume"
+            except PipelineError as e:
+                decision = e
+        decision = broadcast_object(decision, self.env)
+        if isinstance(decision, Exception):
+            raise decision
+        return decision
+
+    def close_logs(self) -> None:
+        """Close the progress bar, metrics.jsonl and TensorBoard; after a failure (e.g. a full disk)
+        do it quietly, so that the error is the last line the user sees."""
+        for closer in (self.bar.close, getattr(self.metrics, "close", None), self.tb.close):
+            try:
+                if closer is not None:
+                    closer()
+            except Exception:
+                pass
+
+    def train_step(self) -> None:
+        t, env, K = self.t, self.env, self.K
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, self.total_steps, self.cfg)
+        set_lr(self.optimizer, lr)
+        mine, next_pos = self.data.step_micro_batches(self.pos)
+        self.tokens_seen += self.data.step_tokens(self.pos)
+        # Each micro-batch loss is a sum over its positions divided by the step-0 position count of
+        # the whole global step, so the step's gradient is the token mean over the global batch
+        # (same for any split into ranks x micro-batches). DDP/FSDP average over ranks: x world_size.
+        denominator = max(1, self.data.step_loss_positions(self.pos) if t.loss_normalization == "counted"
+                          else self.data.step_tokens(self.pos))
+        self.optimizer.zero_grad(set_to_none=True)
+        for j in range(len(mine)):
+            mb = next(self.batches)
+            assert mb.sample_ids == [self.index.samples[i].sample_id for i in mine[j]], "data stream out of step"
+            mb = mb.to(env.device, non_blocking=self.on_gpu)
+            last = j == len(mine) - 1
+            sync = self.model.no_sync() if (self.is_ddp and not last) else contextlib.nullcontext()
+            if self.is_fsdp:
+                self.model.set_requires_gradient_sync(last)
+            with sync:
+                with self.autocast():
+                    out = ttt_loss(self.model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
+                                   mb.seq_lens, self.lm_head, K, t.loss_decay, denominator=denominator)
+                (out.loss * env.world_size).backward()
+            self.window.add(loss=float(out.loss.detach()), tokens=mb.num_tokens, step_losses=out.step_losses,
+                            step_correct=out.step_correct, step_counts=out.step_counts)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer.step()
+        self.lr = lr
+        self.step += 1
+        self.pos = next_pos
+        self.window_steps += 1
+        self.window_time += time.perf_counter() - t0
+        self.bar.update(1)
+
+    def log(self) -> None:
+        """One metrics line: means over the steps since the last line, summed over ranks."""
+        w = self.window.all_reduced(self.env)
+        n = max(1, self.window_steps)
+        tok_s = float(w["tokens"]) / max(1e-9, self.window_time)  # training time only (no eval/checkpoint)
+        acc = [float(c) / max(1.0, float(m)) for c, m in zip(w["step_correct"], w["step_counts"])]
+        self.last_train_loss = float(w["loss"]) / n
+        self.window.zero_()
+        self.window_steps, self.window_time = 0, 0.0
+        epoch = self.pos.epoch + (self.pos.micro_batch / len(self.data.epoch_micro_batches(self.pos.epoch)) if self.pos.micro_batch else 0.0)
+        row = {
+            "type": "train", "step": self.step, "epoch": round(epoch, 4), "loss": self.last_train_loss,
+            "step_losses": [float(x) / n for x in w["step_losses"]], "step_acc": acc, "lr": self.lr, "grad_norm": self.grad_norm,
+            "tokens_per_s": tok_s, "tokens": self.tokens_seen, "elapsed_s": self.elapsed(),
+        }
+        if self.env.is_main:
+            self.metrics.write(row)
+            self.tb.scalars(self.step, {"train/loss": row["loss"], "train/lr": self.lr, "train/grad_norm": self.grad_norm,
+                                        "train/tokens_per_s": tok_s, **{f"train/acc_{i}": a for i, a in enumerate(acc)}})
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{tok_s:.0f}")
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.t_start
+
+    def evaluate(self) -> Optional[dict]:
+        report = evaluate(self.model, self.lm_head, self.index, self.data.reader, self.cfg, self.env, self.autocast)
+        if report is None:
+            return None
+        report = {"type": "eval", "step": self.step, **report}
+        if self.env.is_main:
+            self.metrics.write(report)
+            atomic_write_json(self.train_dir / "eval_report.json", report)
+            self.tb.scalars(self.step, {"eval/loss": report["loss"], **{f"eval/acc_{i}": a for i, a in enumerate(report["step_acc"])},
+                                        **{f"eval/tau_{k}": v for k, v in report["tau"].items()},
+                                        **{f"eval/replay_al_{k}": r["acceptance_length"] for k, r in report["replay"].items()}})
+            self.bar.write(f"eval @ step {self.step}: accuracy per TTT step {[round(a, 3) for a in report['step_acc']]}; "
+                           f"{describe_acceptance(report, self.shown_ks)}")
+        return report
+
+    def save(self) -> None:
+        if self.env.is_main:
+            self.metrics.sync()  # lines up to this step are on disk before the checkpoint that vouches for them
+        state = {
+            "step": self.step, "total_steps": self.total_steps, "data_position": self.pos.to_dict(),
+            "fingerprint": self.fingerprint, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed(),
+            "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
+            "global_micro_batches": self.data.micro_per_step, "last_train_loss": self.last_train_loss,
+        }
+        rank_state = {"log_window": self.window.flat.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
+        save_checkpoint(self.ckpt_dir, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state)
+
+    def finish(self) -> None:
+        elapsed = self.elapsed()
+        summary = {
+            "step": self.step, "total_steps": self.total_steps, "tokens": self.tokens_seen, "elapsed_s": elapsed,
+            "tokens_per_s": self.tokens_seen / max(1e-9, elapsed), "final_train_loss": self.last_train_loss,
+            "eval": self.last_eval, "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
+            "parallel": self.t.parallel if self.env.distributed else "none", "trainable_params": self.n_params,
+            "aux_layer_ids": self.index.aux_layer_ids, "draft_config": dataclasses.asdict(self.draft_cfg),
+            "config": self.cfg.to_dict(),
+        }
+        export_final(self.cfg, self.env, self.draft, self.draft_cfg, self.index, self.train_dir, summary)
+        if self.env.is_main:
+            tau_txt = describe_acceptance(self.last_eval or {}, self.shown_ks)
+            self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "
+                     f"({self.tokens_seen / max(1e-9, elapsed):.0f} tok/s), final loss {self.last_train_loss:.4f}; {tau_txt}; "
+                     f"draft in {self.train_dir / 'final'}")

@@ -1,0 +1,142 @@
+"""Config loading: overrides, validation, error messages, path resolution."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.core.config import Config, config_from_dict, load_config, parse_override, validate
+from common.core.errors import ConfigError
+from tests.helpers import error_line, run_stage, write_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_configs_load():
+    tiny = load_config(ROOT / "configs/tiny.yaml")
+    assert tiny.target.aux_layer_ids == [1, 2, 3]
+    assert Path(tiny.run_dir).is_absolute() and tiny.run_dir.endswith("runs/tiny")
+    kimi = load_config(ROOT / "configs/kimi-k2.5.yaml")
+    assert kimi.target.model == "moonshotai/Kimi-K2.5"  # hub id stays a hub id
+    assert kimi.target.aux_layer_ids == [2, 30, 58]
+    assert kimi.vocab.draft_vocab_size == 32000
+    assert kimi.server.tensor_parallel_size == 8
+
+
+def test_every_contract_key_settable_with_set(tmp_path):
+    overrides = [
+        "run_dir=out", "target.model=m", "target.aux_layer_ids=[1,2,3]", "data.source=s", "data.max_samples=10",
+        "data.eval_fraction=0.2", "data.seed=3", "generate.base_url=http://x/v1", "generate.model=foo",
+        "generate.concurrency=7", "generate.timeout_s=9", "generate.max_retries=2", "generate.max_tokens=11",
+        "generate.temperature=0", "tokenize.max_seq_len=99", "vocab.draft_vocab_size=500", "train.ttt_steps=3",
+        "train.max_steps=12", "train.lr=1e-4",
+    ]
+    cfg = config_from_dict({}, overrides)
+    assert cfg.target.aux_layer_ids == [1, 2, 3]
+    assert cfg.data.max_samples == 10 and cfg.data.eval_fraction == 0.2
+    assert cfg.generate.concurrency == 7 and cfg.generate.timeout_s == 9.0 and cfg.generate.temperature == 0.0
+    assert cfg.tokenize.max_seq_len == 99 and cfg.vocab.draft_vocab_size == 500
+    assert cfg.train.ttt_steps == 3 and cfg.train.max_steps == 12 and cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.data.seed == 3 and cfg.generate.model == "foo"
+
+
+def test_set_null_and_yaml_values():
+    assert parse_override("target.aux_layer_ids=null") == ("target.aux_layer_ids", None)
+    # YAML 1.1 reads 1e-4 (no dot) as a string; an override is a number either way
+    for text, number in [("train.lr=1e-4", 1e-4), ("train.lr=2.5E-5", 2.5e-5), ("train.lr=0.001", 0.001)]:
+        key, value = parse_override(text)
+        assert key == "train.lr" and type(value) is float and value == number
+    assert parse_override("generate.model=1e") == ("generate.model", "1e")  # not a number: stays a string
+    cfg = config_from_dict({"target": {"aux_layer_ids": [1, 2]}}, ["target.aux_layer_ids=null"])
+    assert cfg.target.aux_layer_ids is None
+
+
+@pytest.mark.parametrize(
+    "tree, overrides, message",
+    [
+        ({"trian": {}}, [], "unknown config key 'trian'; did you mean 'train'?"),
+        ({"train": {"ttt_step": 3}}, [], "unknown config key 'train.ttt_step'; did you mean 'train.ttt_steps'?"),
+        ({}, ["generate.concurency=3"], "did you mean 'generate.concurrency'"),
+        ({"train": {"lr": "fast"}}, [], "config key 'train.lr' must be a number, got 'fast'"),
+        ({"train": {"ttt_steps": 2.5}}, [], "config key 'train.ttt_steps' must be an integer, got 2.5"),
+        ({"target": {"trust_remote_code": "yes"}}, [], "must be true or false"),
+        ({"target": {"aux_layer_ids": [1, 1, 2]}}, [], "duplicated ids [1, 1, 2]"),
+        ({"data": {"eval_fraction": 1.5}}, [], "config key 'data.eval_fraction' must be >= 0 and < 1, got 1.5"),
+        ({"train": 3}, [], "section 'train' must be a mapping"),
+        ({}, ["train.lr"], "--set expects KEY=VALUE"),
+    ],
+)
+def test_bad_config_messages(tree, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(tree, overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_paths_resolve_relative_to_config_file(tmp_path):
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "cfgs" / "run.yaml").write_text("run_dir: ../out\ntarget:\n  model: ../model\ndata:\n  source: org/hub-dataset\n")
+    cfg = load_config(tmp_path / "cfgs" / "run.yaml")
+    assert cfg.run_dir == str((tmp_path / "out").resolve())
+    assert cfg.target.model == str((tmp_path / "model").resolve())
+    assert cfg.data.source == "org/hub-dataset"
+
+
+def test_cli_unknown_key_is_one_line_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run_dir: out\nvocab:\n  draft_vocab: 3\n")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "03_build_vocab_map.py"), "--config", str(cfg)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: unknown config key 'vocab.draft_vocab'; did you mean 'vocab.draft_vocab_size'?"
+
+
+def test_defaults_are_a_valid_config():
+    cfg = Config()
+    validate(cfg)  # raises ConfigError if a default breaks a rule
+    assert cfg.train.ttt_steps == 7 and cfg.train.loss_decay == 0.8
+    assert cfg.generate.concurrency == 128 and cfg.generate.timeout_s >= 3600
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.log_every=0", "config key 'train.log_every' must be >= 1, got 0"),
+    ("train.checkpoint_every=0", "config key 'train.checkpoint_every' must be >= 1, got 0"),
+    ("train.betas=[0.9,2.0]", "config key 'train.betas[1]' must be >= 0 and < 1, got 2.0"),
+    ("generate.backoff_initial_s=-1", "config key 'generate.backoff_initial_s' must be >= 0, got -1.0"),
+    ("generate.temperature=-3", "config key 'generate.temperature' must be >= 0, got -3.0"),
+    ("generate.top_p=7", "config key 'generate.top_p' must be > 0 and <= 1, got 7.0"),
+    ("train.warmup_ratio=5", "config key 'train.warmup_ratio' must be >= 0 and <= 1, got 5.0"),
+    ("train.grad_clip=-1", "config key 'train.grad_clip' must be >= 0, got -1.0"),
+    ("train.epochs=0", "config key 'train.epochs' must be >= 1, got 0"),
+    ("train.eval_every=-1", "config key 'train.eval_every' must be >= 0, got -1"),
+    ("extract.min_free_disk_gb=-100", "config key 'extract.min_free_disk_gb' must be >= 0, got -100.0"),
+    ("train.num_workers=-2", "config key 'train.num_workers' must be >= 0, got -2"),
+    ("server.port=99999", "config key 'server.port' must be >= 0 and <= 65535, got 99999"),
+    ("evaluate.num_prompts=0", "config key 'evaluate.num_prompts' must be >= 1, got 0"),
+    ("generate.max_failure_fraction=1.5", "config key 'generate.max_failure_fraction' must be >= 0 and <= 1, got 1.5"),
+    ("train.precision=bf17", "config key 'train.precision' must be one of auto, bf16, fp32, got 'bf17'; did you mean 'bf16'?"),
+    ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"),
+])
+def test_config_values_are_checked_at_load(tmp_path, override, message):
+    """Issue 10, cases 5 and 8: values that gave tracebacks, or were accepted, are one line at load."""
+    cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run")})
+    line = error_line(run_stage("03_build_vocab_map.py", cfg, "--set", override, timeout=120))
+    assert line == f"error: {message}"
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_config_duplicate_keys_are_an_error(tmp_path):
+    """Issue 10, case 6: YAML keeps the last of two equal keys silently."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("run_dir: out\ntrain:\n  lr: 1.0e-4\n  max_steps: 10\n  lr: 3.0e-4\n")
+    error_line(run_stage("04_train.py", cfg, timeout=120),
+               f"config key 'lr' appears twice in one section of {cfg} (lines 3 and 5); keep one of them")

@@ -1,0 +1,386 @@
+"""Stage 05 without vLLM: metrics parsing, counter deltas, acceptance math, the plot, the report.
+
+The whole-stage tests swap the vLLM server for a small fake OpenAI-compatible HTTP server that
+answers deterministically and exposes spec-decode counters in Prometheus text on /metrics, so
+the report's numbers can be checked exactly. The real-vLLM run is in tests/test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.evaluate import stage as evaluate
+from common.core.config import config_from_dict
+from common.core.errors import DataError, PipelineError
+from common.evaluate.plots import plot_report, training_curves
+from common.serving.vllm_server import metrics_delta, parse_prometheus, scrape_metrics, spec_decode_metrics
+from tests.helpers import FakeVllm, LocalHttpServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# /metrics as vLLM 0.32 writes it (prometheus_client text format): counters carry `_total`, every
+# series has model_name and engine labels (two engines here), `_created` gauges sit beside them,
+# and unrelated metrics surround them.
+METRICS_BEFORE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/runs/tiny/target"} 0.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="/runs/tiny/target"} 812.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="/runs/tiny/target"} 100.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="/runs/tiny/target"} 20.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="/runs/tiny/target"} 1.7962231244026146e+09
+vllm:spec_decode_num_drafts_created{engine="1",model_name="/runs/tiny/target"} 1.7962231244026146e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/runs/tiny/target"} 300.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="/runs/tiny/target"} 60.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/runs/tiny/target"} 150.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="/runs/tiny/target"} 30.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/runs/tiny/target",position="0"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/runs/tiny/target",position="1"} 50.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/runs/tiny/target",position="2"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="/runs/tiny/target",position="0"} 16.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="/runs/tiny/target",position="1"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="/runs/tiny/target",position="2"} 4.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_created Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_created gauge
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/runs/tiny/target",position="0"} 1.796223124402662e+09
+"""
+
+
+def test_parse_recorded_metrics_sums_engines_and_reads_positions():
+    m = spec_decode_metrics(parse_prometheus(METRICS_BEFORE))
+    assert m["num_drafts"] == 120.0
+    assert m["num_draft_tokens"] == 360.0
+    assert m["num_accepted_tokens"] == 180.0
+    assert m["num_accepted_tokens_per_pos"] == {0: 96.0, 1: 60.0, 2: 24.0}
+    assert m["acceptance_length"] == pytest.approx(1.0 + 180 / 120)
+
+
+def test_a_metrics_page_that_is_not_prometheus_text_is_a_clear_error():
+    class HtmlServer(LocalHttpServer):  # e.g. a proxy's error page where vLLM should be
+        def handle(self, request, method):
+            self.reply(request, 200, "<html>502 Bad Gateway</html>\n", "text/html")
+
+    with HtmlServer() as server:
+        with pytest.raises(PipelineError, match=r"/metrics is not in the Prometheus text format"):
+            scrape_metrics(server.base_url)
+
+
+def test_counter_delta_and_acceptance_math_hand_checked():
+    before = spec_decode_metrics(parse_prometheus(METRICS_BEFORE))
+    # During the evaluation: 40 drafts of 3 tokens; 30 + 20 + 10 = 60 accepted.
+    after_text = (
+        METRICS_BEFORE.replace('drafts_total{engine="0",model_name="/runs/tiny/target"} 100.0', 'drafts_total{engine="0",model_name="/runs/tiny/target"} 130.0')
+        .replace('drafts_total{engine="1",model_name="/runs/tiny/target"} 20.0', 'drafts_total{engine="1",model_name="/runs/tiny/target"} 30.0')
+        .replace('draft_tokens_total{engine="0",model_name="/runs/tiny/target"} 300.0', 'draft_tokens_total{engine="0",model_name="/runs/tiny/target"} 420.0')
+        .replace('accepted_tokens_total{engine="0",model_name="/runs/tiny/target"} 150.0', 'accepted_tokens_total{engine="0",model_name="/runs/tiny/target"} 210.0')
+        .replace('position="0"} 80.0', 'position="0"} 110.0')
+        .replace('position="1"} 50.0', 'position="1"} 70.0')
+        .replace('position="2"} 20.0', 'position="2"} 30.0')
+    )
+    after = spec_decode_metrics(parse_prometheus(after_text))
+    delta = metrics_delta(after, before)
+    assert delta["num_drafts"] == 40 and delta["num_draft_tokens"] == 120 and delta["num_accepted_tokens"] == 60
+    assert delta["num_accepted_tokens_per_pos"] == {0: 30.0, 1: 20.0, 2: 10.0}
+
+    acc = evaluate.acceptance_metrics(delta, num_speculative_tokens=3)
+    assert acc["acceptance_length"] == pytest.approx(1.0 + 60 / 40)  # 2.5
+    assert acc["per_position_acceptance"] == pytest.approx([30 / 40, 20 / 40, 10 / 40])
+    assert acc["draft_acceptance_rate"] == pytest.approx(60 / 120)
+    assert acc["counters"] == {"num_drafts": 40, "num_draft_tokens": 120, "num_accepted_tokens": 60,
+                               "num_accepted_tokens_per_pos": [30, 20, 10]}
+    # The per-position rates add up to accepted/drafts, so AL = 1 + their sum.
+    assert 1 + sum(acc["per_position_acceptance"]) == pytest.approx(acc["acceptance_length"])
+
+
+def test_acceptance_metrics_pads_missing_positions_and_rejects_no_drafts():
+    delta = {"num_drafts": 10.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 7.0,
+             "num_accepted_tokens_per_pos": {0: 5.0, 1: 2.0}}
+    acc = evaluate.acceptance_metrics(delta, num_speculative_tokens=4)
+    assert acc["per_position_acceptance"] == pytest.approx([0.5, 0.2, 0.0, 0.0])
+    assert acc["acceptance_length"] == pytest.approx(1.7)
+    with pytest.raises(PipelineError, match="no speculative drafts"):
+        evaluate.acceptance_metrics({**delta, "num_drafts": 0.0}, 3)
+    with pytest.raises(PipelineError, match="went down"):
+        evaluate.acceptance_metrics({**delta, "num_accepted_tokens": -1.0}, 3)
+
+
+def test_compare_outputs_counts_and_shows_mismatches():
+    a = {"p1": {"reasoning": "r", "content": "same"}, "p2": {"reasoning": "", "content": "abcdef"}, "p3": {"content": "x"}}
+    b = {"p1": {"reasoning": "r", "content": "same"}, "p2": {"reasoning": "", "content": "abcXef"}, "p3": {"content": "x"}}
+    cmp = evaluate.compare_outputs(a, b)
+    assert cmp == {"compared": 3, "identical": 2, "mismatched_ids": ["p2"]}
+    ex = evaluate.mismatch_examples(cmp["mismatched_ids"], a, b)
+    assert ex[0]["id"] == "p2" and ex[0]["first_difference_at_char"] == len("\n----\n") + 3
+
+
+def test_training_curves_and_plot_file(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"type": "train", "step": s, "loss": 5.0 / s, "step_acc": [0.5 + s / 100, 0.3 + s / 200]} for s in (10, 20, 30)]
+    rows.append({"type": "eval", "step": 30, "loss": 0.2, "step_acc": [0.8, 0.45]})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type": "train", "st')  # torn tail
+    curves = training_curves(metrics)
+    assert curves["train"]["loss"] == [(10, 0.5), (20, 0.25), (30, 5.0 / 30)]
+    assert curves["train"]["acc"][1] == [(10, 0.3 + 10 / 200), (20, 0.3 + 20 / 200), (30, 0.3 + 30 / 200)]
+    assert curves["eval"]["acc"] == {0: [(30, 0.8)], 1: [(30, 0.45)]}
+
+    report = {"acceptance_length": 2.31, "num_speculative_tokens": 3, "per_position_acceptance": [0.71, 0.41, 0.19],
+              "offline": {"expected_per_position": [0.8, 0.36, 0.072]}}
+    out = plot_report(report, metrics, tmp_path / "eval" / "report.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # No metrics file: still a figure (with a note), not an error.
+    out2 = plot_report({**report, "offline": None}, tmp_path / "missing.jsonl", tmp_path / "r2.png")
+    assert out2.stat().st_size > 5_000
+
+
+# ----------------------------------------------------------------------------- the stage, on a fake server
+
+
+class RunEnv:
+    def __init__(self, cfg, run, final):
+        self.cfg, self.run, self.final = cfg, run, final
+        self.started: list[dict] = []  # servers the stage started, in order
+        self.diverge: tuple[str, ...] = ()  # user texts whose reply changes with the draft
+
+
+@pytest.fixture
+def run_env(tmp_path, monkeypatch):
+    """A run_dir with prompts, a fake draft and offline report; target_server swapped for FakeVllm."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "llama"}')
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    prompts = []
+    for i in range(12):
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {i}"}]
+        if i == 3:  # multi-turn: only the first user turn is sent
+            messages.append({"role": "user", "content": "and a follow-up"})
+        prompts.append({"id": f"p{i}", "messages": messages, "split": "eval" if i % 2 else "train"})
+    (run / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    final = run / "train" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (final / "model.safetensors").write_bytes(b"fake weights v1")
+    (run / "train" / "eval_report.json").write_text(json.dumps(
+        {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02, "4": 2.056}}))
+    (run / "train" / "metrics.jsonl").write_text(json.dumps({"type": "train", "step": 10, "loss": 3.0, "step_acc": [0.3, 0.2, 0.1, 0.05]}) + "\n")
+
+    cfg = config_from_dict({
+        "run_dir": str(run), "target": {"model": str(target), "dtype": "float32"},
+        "evaluate": {"num_prompts": 4, "num_speculative_tokens": 3, "max_tokens": 64, "temperature": 0.0, "concurrency": 2},
+    })
+    env = RunEnv(cfg, run, final)
+
+    @contextlib.contextmanager
+    def fake_target_server(cfg_, speculative=None, log_path=None):
+        with FakeVllm(with_draft=speculative is not None, diverge=env.diverge) as server:
+            env.started.append({"speculative": speculative, "server": server})
+            yield server
+
+    monkeypatch.setattr(evaluate, "target_server", fake_target_server)
+    return env
+
+
+def test_eval_prompts_are_the_eval_split_first_turn(run_env):
+    prompts = evaluate.load_eval_prompts(run_env.cfg)
+    assert [p["id"] for p in prompts] == ["p1", "p3", "p5", "p7"]
+    assert prompts[1]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "question 3"}]
+
+
+def test_stage_report_schema_values_and_resume(run_env, capsys):
+    cfg, run = run_env.cfg, run_env.run
+    assert evaluate.run_stage(cfg) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+
+    # Two servers: the draft one with the eagle3 speculative config, then the target alone.
+    assert [s["speculative"] for s in run_env.started] == [
+        {"method": "eagle3", "model": str(run_env.final), "num_speculative_tokens": 3}, None]
+    # 4 timed requests with the draft (the warm-up came before the first scrape): 40 drafts, 36 accepted.
+    assert report["counters"] == {"num_drafts": 40, "num_draft_tokens": 120, "num_accepted_tokens": 36,
+                                  "num_accepted_tokens_per_pos": [20, 12, 4]}
+    assert report["acceptance_length"] == pytest.approx(1.9)
+    assert report["per_position_acceptance"] == pytest.approx([0.5, 0.3, 0.1])
+    assert report["draft_acceptance_rate"] == pytest.approx(0.3)
+    assert report["num_speculative_tokens"] == 3 and report["num_prompts"] == 4
+    assert report["offline"]["expected_acceptance_length"] == pytest.approx(2.02)
+    assert report["offline"]["step_acc"] == [0.6, 0.5, 0.4, 0.3]
+    assert report["offline"]["expected_per_position"] == pytest.approx([0.6, 0.3, 0.12])
+    assert report["outputs"] == {"compared": 4, "identical": 4, "mismatched_ids": [], "greedy": True,
+                                 "all_identical": True, "mismatch_examples": []}
+    tp = report["throughput"]
+    assert tp["with_draft"]["output_tokens"] == tp["without_draft"]["output_tokens"] == 4 * 12
+    assert tp["speedup"] == pytest.approx(tp["with_draft"]["tokens_per_s"] / tp["without_draft"]["tokens_per_s"], rel=1e-3)
+    assert report["complete"] is True and report["draft_sha256"] == evaluate.draft_fingerprint(run_env.final)
+    assert set(report["sampling"]) == {"temperature", "max_tokens", "concurrency", "enable_thinking"}
+    assert (run / "eval" / "report.png").stat().st_size > 5_000
+    rows = [json.loads(line) for line in (run / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["p1", "p3", "p5", "p7"]
+    assert rows[1]["with_draft"]["content"] == "answer to question 3" and rows[1]["identical"] is True
+    out = capsys.readouterr().out
+    assert "acceptance length 1.90 (k=3) | per-position 0.50/0.30/0.10" in out
+
+    # Same draft, same config: nothing to do, no server started.
+    n = len(run_env.started)
+    assert evaluate.run_stage(cfg) == 0
+    assert "already complete" in capsys.readouterr().out and len(run_env.started) == n
+
+    # A new draft (different weights): evaluated again; the target-alone baseline is reused.
+    (run_env.final / "model.safetensors").write_bytes(b"fake weights v2")
+    assert evaluate.run_stage(cfg) == 0
+    assert [s["speculative"] is not None for s in run_env.started[n:]] == [True]
+
+
+def test_stage_reports_greedy_mismatches(run_env, capsys):
+    run_env.diverge = ("question 5",)
+    assert evaluate.run_stage(run_env.cfg) == 0
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    assert report["outputs"]["identical"] == 3 and report["outputs"]["mismatched_ids"] == ["p5"]
+    assert report["outputs"]["all_identical"] is False
+    assert report["outputs"]["mismatch_examples"][0]["with_draft"].endswith("answer to question 5 (diverged)")
+    assert "WARNING" in capsys.readouterr().err
+
+
+def test_baseline_only_on_a_running_server_is_reused(run_env, capsys):
+    cfg = run_env.cfg
+    with FakeVllm(with_draft=False) as server:
+        assert evaluate.run_stage(cfg, baseline_only=True, base_url=server.base_url) == 0
+        assert len(server.requests) == 5  # warm-up + 4 prompts
+        assert evaluate.run_stage(cfg, baseline_only=True, base_url=server.base_url) == 0
+        assert "baseline already complete" in capsys.readouterr().out
+    assert evaluate.cached_baseline(cfg) is not None
+    assert evaluate.run_stage(cfg) == 0
+    assert [s["speculative"] is not None for s in run_env.started] == [True]  # no target-alone server
+    # A different sampling setting invalidates the cached baseline.
+    cfg2 = config_from_dict({**cfg.to_dict(), "evaluate": {**cfg.to_dict()["evaluate"], "max_tokens": 32}})
+    assert evaluate.cached_baseline(cfg2) is None
+
+
+def test_missing_draft_is_a_clear_error(run_env):
+    with pytest.raises(PipelineError, match="run 04_train.py first"):
+        evaluate.run_stage(run_env.cfg, draft_dir=str(run_env.run / "nope"))
+
+
+def test_cli_help_is_light():
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = [sys.argv[1], '--help']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules))\n"
+    )
+    for script in ("05_evaluate.py", "run_pipeline.py"):
+        res = subprocess.run([sys.executable, "-c", probe, str(ROOT / script)], capture_output=True, text=True, cwd=ROOT)
+        assert res.returncode == 0, res.stderr
+        assert "usage:" in res.stdout and "HEAVY []" in res.stdout, res.stdout
+
+
+# ----------------------------------------------------------------------------- other-kind prompts, replay prediction
+
+
+def write_other_prompts(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"o{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+                            for i, t in enumerate(texts)))
+    return path
+
+
+def with_other(cfg, path) -> object:
+    tree = cfg.to_dict()
+    return config_from_dict({**tree, "evaluate": {**tree["evaluate"], "other_prompts": str(path)}})
+
+
+def test_other_prompts_are_measured_apart_and_baselined_on_the_generation_server(run_env, capsys):
+    other = write_other_prompts(run_env.run.parent / "other.jsonl", ["plan a trip", "bake bread", "hello"])
+    cfg = with_other(run_env.cfg, other)
+    assert [p["id"] for p in evaluate.load_other_prompts(cfg)] == ["o0", "o1", "o2"]
+    assert evaluate.missing_baselines(cfg) == ["held_out", "other"]
+    with FakeVllm(with_draft=False) as server:
+        assert evaluate.run_stage(cfg, baseline_only=True, base_url=server.base_url) == 0
+        assert len(server.requests) == 2 + 4 + 3  # a warm-up per set, 4 held-out and 3 other prompts
+    assert evaluate.missing_baselines(cfg) == []
+    assert evaluate.run_stage(cfg) == 0
+    assert [s["speculative"] is not None for s in run_env.started] == [True]  # one server: the draft's
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    # held-out: 4 requests x (10 drafts, 9 accepted); other: 3 requests, scraped separately
+    assert report["counters"]["num_drafts"] == 40 and report["num_prompts"] == 4
+    o = report["other_prompts"]
+    assert o["path"] == str(other) and o["num_prompts"] == 3
+    assert o["counters"] == {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 27,
+                             "num_accepted_tokens_per_pos": [15, 9, 3]}
+    assert o["acceptance_length"] == pytest.approx(1.9) and o["outputs"]["identical"] == 3
+    rows = [json.loads(line) for line in (run_env.run / "eval" / "outputs-other.jsonl").read_text().splitlines()]
+    assert [r["with_draft"]["content"] for r in rows] == ["answer to plan a trip", "answer to bake bread", "answer to hello"]
+    assert "other-kind prompts: acceptance length 1.90, 3/3 identical" in capsys.readouterr().out
+    # Dropping the other set changes the report key: measured again.
+    assert evaluate.run_stage(run_env.cfg) == 0
+    assert json.loads((run_env.run / "eval" / "report.json").read_text())["other_prompts"] is None
+
+
+def test_other_prompts_must_exist_and_stay_apart_from_training(run_env):
+    cfg = with_other(run_env.cfg, run_env.run.parent / "missing.jsonl")
+    with pytest.raises(DataError, match="evaluate.other_prompts file not found: .*make_sample_data.py --other"):
+        evaluate.load_other_prompts(cfg)
+    # "question 2" is a train-split prompt of the run
+    cfg = with_other(run_env.cfg, write_other_prompts(run_env.run.parent / "o.jsonl", ["new topic", "question 2"]))
+    with pytest.raises(DataError, match="shares 1 prompt.* with the training data .first: o1."):
+        evaluate.load_other_prompts(cfg)
+
+
+def test_shipped_other_prompts_are_another_kind_than_the_sample_prompts():
+    from common.demo.other_prompts import other_prompt_rows
+
+    rows = [json.loads(line) for line in (ROOT / "data" / "other_prompts.jsonl").read_text().splitlines()]
+    assert rows == other_prompt_rows()  # the shipped file is what the generator writes
+    sample_users = {json.dumps(m.get("content", m.get("value"))).strip('"')
+                    for line in (ROOT / "data" / "sample_prompts.jsonl").read_text().splitlines()
+                    for m in (json.loads(line).get("messages") or json.loads(line).get("conversations") or [])
+                    if isinstance(m, dict) and m.get("role", m.get("from")) in ("user", "human")}
+    assert len(sample_users) > 300
+    other_users = [r["messages"][0]["content"] for r in rows]
+    assert not sample_users & {json.dumps(t).strip('"') for t in other_users}
+    assert len(set(r["kind"] for r in rows)) >= 8
+    lengths = sorted(len(t) for t in other_users)
+    assert lengths[0] < 10 and lengths[-1] > 1000  # one-word prompts to pasted texts
+
+
+def test_offline_prediction_is_the_replay_with_its_error(run_env, capsys):
+    eval_report = {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02},
+                   "replay": {"3": {"acceptance_length": 1.8, "per_position": [0.5, 0.2, 0.1], "rounds": 100,
+                                    "accepted_per_pos": [50, 20, 10]}}}
+    (run_env.run / "train" / "eval_report.json").write_text(json.dumps(eval_report))
+    assert evaluate.run_stage(run_env.cfg) == 0
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    off = report["offline"]
+    assert off["prediction"] == "replay" and off["expected_acceptance_length"] == 1.8
+    assert off["expected_per_position"] == [0.5, 0.2, 0.1] and off["replay_rounds"] == 100
+    assert off["product_formula"] == {"acceptance_length": 2.02, "per_position": pytest.approx([0.6, 0.3, 0.12])}
+    assert report["offline_prediction_error"] == pytest.approx((1.8 - 1.9) / 1.9)
+    assert "offline replay 1.80 (-5.3%)" in capsys.readouterr().out
+
+
+def test_replay_served_needs_token_ids_from_the_server(run_env):
+    """evaluate.replay_served asks vLLM for return_token_ids; a server that sends none is a clear error."""
+    tree = run_env.cfg.to_dict()
+    cfg = config_from_dict({**tree, "evaluate": {**tree["evaluate"], "replay_served": True}})
+    with pytest.raises(PipelineError, match="returned no token ids for 4 prompt.*replay_served needs vLLM >= 0.10"):
+        evaluate.run_stage(cfg)
+    requests = run_env.started[0]["server"].requests
+    assert len(requests) == 1 + 4  # warm-up + the held-out prompts (no other set configured)
+    assert all(body.get("return_token_ids") is True for body in requests)

@@ -1,0 +1,86 @@
+"""04 against changed or damaged inputs: a stale train/final after vocab/ or hidden/ changed is an
+error; a damaged latest checkpoint falls back to the previous one (exact result); a damaged shard is
+named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import clone_run, error_line, read_metrics, run_stage
+
+
+# ============================================================================ 04: inputs changed, damaged files
+
+
+@pytest.mark.slow  # ~60 s: five 04 runs
+def test_04_changed_vocab_or_hidden_is_an_error_not_a_stale_final(tmp_path, hidden_run):
+    """Issue 10, case 1: a rebuilt vocab map (or hidden/) used to leave train/final from the old one."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = clone_run(hidden_run, tmp_path, max_steps=4, checkpoint_every=2, eval_every=0)
+    run_dir = tmp_path / "run"
+    assert run_stage("04_train.py", cfg).returncode == 0
+    assert "already complete" in run_stage("04_train.py", cfg).stdout
+    # 03 rebuilt with another draft vocab size (here: the first 64 ids of the old map)
+    old = load_file(str(run_dir / "vocab" / "vocab_map.safetensors"))
+    ids = (torch.arange(128) + old["d2t"])[:64]
+    t2d = torch.zeros_like(old["t2d"])
+    t2d[ids] = True
+    save_file({"d2t": ids - torch.arange(64), "t2d": t2d}, str(run_dir / "vocab" / "vocab_map.safetensors"))
+    error_line(run_stage("04_train.py", cfg, "--set", "vocab.draft_vocab_size=64"),
+               "vocab/vocab_map.safetensors changed", "--overwrite")
+    assert run_stage("04_train.py", cfg, "--set", "vocab.draft_vocab_size=64", "--overwrite").returncode == 0
+    assert load_file(str(run_dir / "train" / "final" / "model.safetensors"))["d2t"].numel() == 64
+    # hidden/ re-extracted (a new index.json): the same
+    index = json.loads((run_dir / "hidden" / "index.json").read_text())
+    (run_dir / "hidden" / "index.json").write_text(json.dumps({**index, "target_model": "re-extracted"}))
+    error_line(run_stage("04_train.py", cfg, "--set", "vocab.draft_vocab_size=64"), "hidden/index.json changed", "--overwrite")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, hidden_run) -> Path:
+    """A finished 8-step run with checkpoints at 4, 6 and 8 (keep 3)."""
+    root = tmp_path_factory.mktemp("trained")
+    cfg = clone_run(hidden_run, root, max_steps=8, checkpoint_every=2, keep_checkpoints=3, eval_every=4, log_every=1)
+    res = run_stage("04_train.py", cfg)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return root
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt", "state.json"])
+def test_04_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, trained, damaged):
+    """Issue 10, case 2: a truncated file of the latest checkpoint crashed 04 with a traceback."""
+    shutil.copytree(trained, tmp_path / "t")
+    run_dir = tmp_path / "t" / "run"
+    cfg = tmp_path / "t" / "run.yaml"
+    cfg.write_text(cfg.read_text().replace(str(trained), str(tmp_path / "t")))
+    final = (run_dir / "train" / "final" / "model.safetensors").read_bytes()
+    metrics = read_metrics(run_dir)
+    shutil.rmtree(run_dir / "train" / "final")  # as if killed between the last checkpoint and the export...
+    latest = run_dir / "train" / "checkpoints" / "step-8" / damaged
+    with open(latest, "r+b") as f:  # ...and the disk lost the end of a file
+        f.truncate(latest.stat().st_size // 2)
+    res = run_stage("04_train.py", cfg)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"checkpoint {latest.parent} is damaged ({damaged}" in res.stderr
+    assert "resuming from" in res.stdout and "step-6" in res.stdout
+    # the redone steps give the same draft and the same metrics, each line once
+    assert (run_dir / "train" / "final" / "model.safetensors").read_bytes() == final
+    assert [(r["type"], r["step"], r.get("loss")) for r in read_metrics(run_dir)] == \
+        [(r["type"], r["step"], r.get("loss")) for r in metrics]
+
+
+def test_04_verifies_the_shards_it_loads(tmp_path, hidden_run):
+    """Issue 10, case 7: 8 zeroed bytes in a shard trained silently."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=2)
+    shard = sorted((tmp_path / "run" / "hidden").glob("shard-*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\0" * 8)
+    error_line(run_stage("04_train.py", cfg), f"hidden shard {shard} does not match the sha256", "rerun 02_extract_hidden.py")
+    assert not (tmp_path / "run" / "train" / "final").exists()
