@@ -78,6 +78,10 @@ class Layout:
     def eval_jsonl(self) -> Path:
         return self.data / "eval.jsonl"
 
+    def split_jsonl(self, split: str) -> Path:
+        """data/train.jsonl or data/eval.jsonl: 01b's tokenized samples of one split."""
+        return self.data / f"{split}.jsonl"
+
     @property
     def generate_report(self) -> Path:
         return self.data / "generate_report.json"
@@ -94,6 +98,19 @@ class Layout:
     @property
     def hidden_plan(self) -> Path:
         return self.hidden / "plan.json"
+
+    def shard(self, k: int) -> Path:
+        return self.hidden / f"shard-{k:05d}.safetensors"
+
+    def shard_files(self) -> list[Path]:
+        return sorted(self.hidden.glob("shard-*.safetensors"))
+
+    def index_fragment(self, rank: int) -> Path:
+        """Rank `rank`'s part of the index under torchrun; rank 0 merges them into index.json."""
+        return self.hidden / f"index.rank-{rank:05d}.json"
+
+    def index_fragments(self) -> list[Path]:
+        return sorted(self.hidden.glob("index.rank-*.json"))
 
     # 03
     @property
@@ -133,6 +150,15 @@ class Layout:
     def final(self) -> Path:
         return self.train / "final"
 
+    @property
+    def final_tmp(self) -> Path:
+        """final/ is built here and renamed into place."""
+        return self.train / ".tmp-final"
+
+    def train_outputs(self) -> list[Path]:
+        """Everything 04 writes: what --overwrite removes."""
+        return [self.checkpoints, self.tensorboard, self.final, self.final_tmp, self.metrics, self.train_eval_report]
+
     # 05
     @property
     def eval(self) -> Path:
@@ -146,18 +172,33 @@ class Layout:
     def eval_plot(self) -> Path:
         return self.eval / "report.png"
 
+    # 05 measures two prompt sets: "held_out" (eval split of the training data) and "other"
+    def eval_outputs_of(self, prompt_set: str) -> Path:
+        return self.eval / ("outputs.jsonl" if prompt_set == "held_out" else f"outputs-{prompt_set}.jsonl")
+
+    def baseline_of(self, prompt_set: str) -> Path:
+        return self.eval / ("baseline.json" if prompt_set == "held_out" else f"baseline-{prompt_set}.json")
+
     @property
     def eval_outputs(self) -> Path:
-        return self.eval / "outputs.jsonl"
+        return self.eval_outputs_of("held_out")
 
     @property
     def baseline(self) -> Path:
-        return self.eval / "baseline.json"
+        return self.baseline_of("held_out")
 
     # bookkeeping
     @property
     def logs(self) -> Path:
         return self.run_dir / "logs"
+
+    def log(self, name: str) -> Path:
+        """logs/<name>.log: a stage's output, or a vLLM server's, as run_pipeline.py captures it."""
+        return self.logs / f"{name}.log"
+
+    @property
+    def pipeline_runs(self) -> Path:
+        return self.logs / "pipeline_runs.jsonl"
 
     @property
     def stages(self) -> Path:
