@@ -118,8 +118,9 @@ def log_tail(path: Path, n: int = 20) -> str:
 # ----------------------------------------------------------------------------- the tiny target
 
 
-def prepare_tiny_target(cfg, family: str, logs: Path) -> str:
-    """Put the cached tiny target of `family` into cfg.target.model; returns a status line."""
+def prepare_tiny_target(cfg, family: str, log: Path) -> str:
+    """Put the cached tiny target of `family` into cfg.target.model; returns a status line.
+    log: where the build's output goes (run_dir/logs/target.log)."""
     dest = Path(cfg.target.model)
     info_path = dest / "tiny_target_info.json"
     if (dest / "config.json").is_file():
@@ -135,9 +136,9 @@ def prepare_tiny_target(cfg, family: str, logs: Path) -> str:
         return f"target already in place: {dest}"
     # Built (or found) in the cache by a subprocess, so this process stays free of torch.
     code, out = run_logged("target", [sys.executable, "-m", "common.demo.tiny_target", "--family", family, "--print-path"],
-                           logs / "target.log")
+                           log)
     if code != 0:
-        raise StageFailed("target", code, logs / "target.log")
+        raise StageFailed("target", code, log)
     cached = Path(out.strip().splitlines()[-1])
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
@@ -166,13 +167,14 @@ def check_target(cfg) -> None:
 
 def generation_pending(cfg) -> bool:
     """True if 01b still has prompts to answer (it needs a server only then)."""
-    from common.data.generate import Paths, load_done, load_prompts
+    from common.core.run_folder import Layout
+    from common.data.generate import load_done, load_prompts
 
-    paths = Paths.of(cfg)
-    prompts, _ = load_prompts(paths.prompts)
-    if not paths.raw.exists():
+    layout = Layout.of(cfg)
+    prompts, _ = load_prompts(layout.prompts)
+    if not layout.raw_responses.exists():
         return True
-    done, _ = load_done(paths.raw)
+    done, _ = load_done(layout.raw_responses)
     return any(p["id"] not in done for p in prompts)
 
 
@@ -245,7 +247,9 @@ def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> Non
     print(f"{'artifact':<26}{'size':>9}  path")
     for label, path in artifact_rows(cfg):
         print(f"{label:<26}{_size(path):>9}  {path}")
-    report_path = cfg.run_path / "eval" / "report.json"
+    from common.core.run_folder import Layout
+
+    report_path = Layout.of(cfg).eval_report
     if report_path.is_file():
         from common.evaluate.stage import format_summary
 
@@ -257,9 +261,11 @@ class Pipeline:
     """Runs the stages as subprocesses, timing each; owns the vLLM server it starts."""
 
     def __init__(self, args, cfg):
+        from common.core.run_folder import Layout
+
         self.args, self.cfg = args, cfg
-        self.logs = cfg.run_path / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.layout = Layout.of(cfg)
+        self.layout.logs.mkdir(parents=True, exist_ok=True)
         self.stage_args = ["--config", str(Path(args.config).resolve())] + [a for o in args.overrides for a in ("--set", o)]
         self.timings: list[tuple[str, float, str]] = []
         self.current = "start"
@@ -268,7 +274,7 @@ class Pipeline:
     def stage(self, name: str, script: str, *extra: str) -> None:
         self.current = name
         banner(f"[{name}] {script} {' '.join(extra)}".rstrip())
-        log = self.logs / f"{name}.log"
+        log = self.layout.log(name)
         t0 = time.monotonic()
         before = last_run(self.cfg.run_dir, name)
         code, _ = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log)
@@ -285,7 +291,7 @@ class Pipeline:
         if self.args.tiny_target:
             banner(f"[target] tiny {self.args.tiny_target} target -> {self.cfg.target.model}")
             t0 = time.monotonic()
-            status = prepare_tiny_target(self.cfg, self.args.tiny_target, self.logs)
+            status = prepare_tiny_target(self.cfg, self.args.tiny_target, self.layout.log("target"))
             self.timings.append(("target", time.monotonic() - t0, status))
             print(f"--- target: {status}", flush=True)
         check_target(self.cfg)
@@ -299,7 +305,7 @@ class Pipeline:
 
             banner(f"[vllm] starting a vLLM server for {self.cfg.target.model}")
             t0 = time.monotonic()
-            self.server = target_server(self.cfg, None, log_path=self.logs / "vllm_generate.log").start()
+            self.server = target_server(self.cfg, None, log_path=self.layout.log("vllm_generate")).start()
             url = self.server.base_url
             self.timings.append(("vllm server start", time.monotonic() - t0, url))
             print(f"--- vLLM ready at {url} in {time.monotonic() - t0:.1f}s (log: {self.server.log_path})", flush=True)
@@ -333,7 +339,7 @@ class Pipeline:
         """Append this run's stage timings to logs/pipeline_runs.jsonl (one line per run)."""
         from common.core.io import JsonlAppender
 
-        with JsonlAppender(self.logs / "pipeline_runs.jsonl", fsync_every=1) as runs:
+        with JsonlAppender(self.layout.pipeline_runs, fsync_every=1) as runs:
             runs.write({
                 "outcome": outcome, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "stages": [{"stage": n, "seconds": round(t, 1), "status": st} for n, t, st in self.timings],

@@ -45,15 +45,18 @@ def build(root: Path, name: str, spec: dict, target_dtype):
     import torch
     import transformers
 
+    from common.core.run_folder import Layout
+
     model_dir = root / f"{name}-model"
     cfg = transformers.LlamaConfig(max_position_embeddings=4096, **{k: v for k, v in spec.items() if k not in ("samples", "lengths")})
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).to(target_dtype).save_pretrained(model_dir)
     run_dir = root / f"{name}-run"
-    (run_dir / "data").mkdir(parents=True)
+    layout = Layout.of(run_dir)
+    layout.data.mkdir(parents=True)
     rng = random.Random(0)
-    with open(run_dir / "data" / "train.jsonl", "w") as f:
+    with open(layout.train_jsonl, "w") as f:
         for i in range(spec["samples"]):
             n = rng.randint(*spec["lengths"])
             f.write(json.dumps({"id": f"s{i}", "input_ids": [rng.randrange(spec["vocab_size"]) for _ in range(n)],
@@ -66,6 +69,7 @@ def bare_forward_seconds(cfg, model_dir: Path, run_dir: Path, full: bool) -> flo
     import torch
     from transformers import AutoModelForCausalLM
 
+    from common.core.run_folder import Layout
     from common.extract.hf_backend import make_batches
     from common.extract.stage import read_shard_samples
     from common.target.hf_forward import find_decoder_stack, pad_batch
@@ -73,10 +77,11 @@ def bare_forward_seconds(cfg, model_dir: Path, run_dir: Path, full: bool) -> flo
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(cfg.target.dtype)).eval()
     stack = find_decoder_stack(model, model.config.num_hidden_layers)
-    plan = json.loads((run_dir / "hidden" / "plan.json").read_text())
+    layout = Layout.of(run_dir)
+    plan = json.loads(layout.hidden_plan.read_text())
     shards = []
     for shard in plan["shards"]:  # read inputs outside the timed region, like extraction's overlap
-        samples = read_shard_samples(run_dir / "data" / f"{shard['split']}.jsonl", shard)
+        samples = read_shard_samples(layout.split_jsonl(shard["split"]), shard)
         shards.append(samples)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -91,7 +96,9 @@ def bench_one(root: Path, name: str, spec: dict, args) -> dict:
     import torch
 
     from common.core.config import config_from_dict
-    from common.extract.stage import bytes_per_token, run_extraction
+    from common.core.run_folder import Layout
+    from common.extract.stage import run_extraction
+    from common.hidden.shards import bytes_per_token
     from common.target.loading import torch_dtype
 
     model_dir, run_dir = build(root, name, spec, torch_dtype(args.target_dtype))
@@ -111,7 +118,7 @@ def bench_one(root: Path, name: str, spec: dict, args) -> dict:
         summary = run_extraction(cfg, overwrite=True)
         wall.append(time.perf_counter() - start)
         extract.append(summary["seconds"])
-    index = json.loads((run_dir / "hidden" / "index.json").read_text())
+    index = json.loads(Layout.of(run_dir).hidden_index.read_text())
     tokens, written = index["num_tokens"], index["bytes"]
     minimum = bytes_per_token(3, spec["hidden_size"], "bfloat16")
     return {

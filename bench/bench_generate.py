@@ -187,12 +187,13 @@ async def run_bare(base_url: str, items: list[dict], concurrency: int) -> None:
 
 async def run_01b(base_url: str, items: list[dict], concurrency: int, out_dir: Path) -> dict:
     from common.core.config import config_from_dict
-    from common.data.generate import Generator, make_clients
     from common.core.io import JsonlAppender
+    from common.data.generate import Generator
+    from common.serving.chat import make_clients
 
     cfg = config_from_dict({"run_dir": str(out_dir), "generate": {
         "base_url": base_url, "concurrency": concurrency, "timeout_s": 600, "max_retries": 0, "max_tokens": 256}})
-    clients = make_clients(cfg)  # exactly what 01b uses
+    clients = make_clients(cfg.generate)  # exactly what 01b uses
     raw_path = out_dir / "raw_responses.jsonl"
     raw_path.unlink(missing_ok=True)
     try:

@@ -1,1 +1,1 @@
-"""Shared building blocks of the EAGLE-3 draft training pipeline."""
+"""The pipeline's code: one package per stage over shared packages (docs/design.md#package-map)."""

@@ -485,8 +485,3 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     _require(len(t.betas) == 2, f"train.betas must have two values, got {t.betas}")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr:g}) must be <= train.lr ({t.lr:g})")
-
-
-def api_key_from_env(cfg: Config) -> str:
-    """The API key for the generation server. Never logged."""
-    return os.environ.get(cfg.generate.api_key_env) or "EMPTY"

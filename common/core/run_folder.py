@@ -49,6 +49,14 @@ class Layout:
         run_dir = getattr(cfg_or_dir, "run_dir", cfg_or_dir)
         return cls(Path(run_dir))
 
+    def name(self, path: Path) -> str:
+        """A run-folder path as the manifests and messages name it: relative to run_dir."""
+        return Path(path).relative_to(self.run_dir).as_posix()
+
+    def named(self, *paths: Path) -> dict[str, Path]:
+        """{name: path} for StageManifest inputs."""
+        return {self.name(p): p for p in paths}
+
     # 01 / 01b
     @property
     def data(self) -> Path:
@@ -86,6 +94,10 @@ class Layout:
     def generate_report(self) -> Path:
         return self.data / "generate_report.json"
 
+    def generate_outputs(self) -> list[Path]:
+        """Everything 01b writes: what --overwrite removes."""
+        return [self.raw_responses, self.failed, self.train_jsonl, self.eval_jsonl, self.generate_report]
+
     # 02
     @property
     def hidden(self) -> Path:
@@ -112,6 +124,10 @@ class Layout:
     def index_fragments(self) -> list[Path]:
         return sorted(self.hidden.glob("index.rank-*.json"))
 
+    def vllm_requests(self, rank: int) -> Path:
+        """02's vllm backend: the KV connector's per-request files of rank `rank` (removed when read)."""
+        return self.hidden / f"vllm-requests.rank-{rank:05d}.tmp"
+
     # 03
     @property
     def vocab(self) -> Path:
@@ -133,6 +149,25 @@ class Layout:
     @property
     def checkpoints(self) -> Path:
         return self.train / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    def checkpoint_tmp(self, step: int) -> Path:
+        """A checkpoint is written here and renamed to checkpoint(step)."""
+        return self.checkpoints / f".tmp-step-{step}"
+
+    def checkpoint_dirs(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete checkpoint, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        steps = [(int(p.name[len("step-"):]), p) for p in self.checkpoints.iterdir()
+                 if p.is_dir() and p.name.startswith("step-") and p.name[len("step-"):].isdigit()]
+        return sorted(steps)
+
+    def checkpoint_tmps(self) -> list[Path]:
+        """Checkpoints a killed run left half written."""
+        return sorted(self.checkpoints.glob(".tmp-step-*")) if self.checkpoints.is_dir() else []
 
     @property
     def metrics(self) -> Path:
@@ -186,6 +221,11 @@ class Layout:
     @property
     def baseline(self) -> Path:
         return self.baseline_of("held_out")
+
+    def evaluate_outputs(self) -> list[Path]:
+        """Everything 05 writes under eval/: what --overwrite removes."""
+        return [self.eval_report, self.eval_plot, *(p for s in ("held_out", "other")
+                                                     for p in (self.eval_outputs_of(s), self.baseline_of(s)))]
 
     # bookkeeping
     @property

@@ -3,7 +3,8 @@
 Training an EAGLE-3 draft on the target's own outputs (not the dataset's answers) is what
 makes the draft agree with the target at serving time. This module drives an
 OpenAI-compatible server (vLLM) with many concurrent requests and turns the results into
-tokenized training samples.
+tokenized training samples. The clients, the request body and the response parsing are
+common.serving.chat's (05 sends its requests through the same code).
 
 Guarantees (docs/design.md#resume-rules):
 - every prompt id ends in data/raw_responses.jsonl exactly once, or in data/failed.jsonl
@@ -31,7 +32,6 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import math
 import random
 import signal
 import sys
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from common.core.config import Config, api_key_from_env
-from common.core.errors import ConfigError, DataError, PipelineError
+from common.core.config import Config, GenerateConfig
+from common.core.errors import DataError, PipelineError
 from common.core.run_folder import Layout, StageManifest
 from common.core.io import (
     JsonlAppender,
@@ -52,30 +52,20 @@ from common.core.io import (
     truncate_torn_tail,
     write_jsonl_atomic,
 )
+from common.serving.chat import (
+    MalformedResponse,
+    chat_request,
+    has_token_ids,
+    make_client,
+    make_clients,
+    parse_completion,
+    server_root,
+)
 
 log = logging.getLogger("generate")
 
 # A string whose tokenization must agree between our tokenizer and the served model's.
 TOKENIZER_PROBE = "Hello, world! 12345 <think>\nLet me think: ünïcödé, 漢字, emoji 🙂.\n</think>\n\nDone.<|im_end|>"
-
-
-@dataclass
-class Paths:
-    prompts: Path
-    raw: Path
-    failed: Path
-    train: Path
-    eval: Path
-    report: Path
-
-    @classmethod
-    def of(cls, cfg: Config) -> "Paths":
-        r = Layout.of(cfg)
-        return cls(prompts=r.prompts, raw=r.raw_responses, failed=r.failed, train=r.train_jsonl, eval=r.eval_jsonl,
-                   report=r.generate_report)
-
-    def outputs(self) -> list[Path]:
-        return [self.raw, self.failed, self.train, self.eval, self.report]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -147,11 +137,6 @@ def load_failed(path: Path) -> dict[str, dict]:
 # ----------------------------------------------------------------------------- requests
 
 
-class MalformedResponse(Exception):
-    """The server answered 200 but not with a usable chat completion."""
-
-
-TOKEN_IDS_FROM = ("template", "server")
 MISSING_TOKEN_IDS = (
     "server did not return token ids (prompt_token_ids / choices[0].token_ids for return_token_ids=true); "
     "needs vLLM >= 0.10 or set tokenize.token_ids_from=template"
@@ -199,80 +184,6 @@ def classify(exc: BaseException) -> Failure:
 def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
     """Exponential backoff with full jitter: uniform(0, min(cap, initial * 2**(attempt-1)))."""
     return rng.uniform(0.0, min(cap, initial * (2 ** (attempt - 1))))
-
-
-def _field(obj: Any, name: str) -> Any:
-    value = getattr(obj, name, None)
-    if value is None:
-        extra = getattr(obj, "model_extra", None) or {}
-        value = extra.get(name)
-    return value
-
-
-def _token_id_list(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise MalformedResponse(f"{what} is not a list of integers")
-    return value
-
-
-def parse_completion(resp: Any) -> dict:
-    """A chat completion -> {"reasoning", "content", "finish_reason", "usage"}; MalformedResponse if unusable.
-
-    When the response carries vLLM's token ids (request field return_token_ids), they come
-    back as "prompt_token_ids" (response top level) and "completion_token_ids" (the choice's
-    `token_ids`); otherwise those keys are absent.
-    """
-    if isinstance(resp, (str, bytes)):
-        snippet = resp[:80] if isinstance(resp, str) else resp[:80].decode("utf-8", "replace")
-        raise MalformedResponse(f"response body is not JSON: {snippet!r}")
-    choices = getattr(resp, "choices", None)
-    if not choices:
-        raise MalformedResponse("200 response with no choices")
-    choice = choices[0]
-    message = getattr(choice, "message", None)
-    if message is None:
-        raise MalformedResponse("200 response whose first choice has no message")
-    # Current vLLM: `reasoning`; older vLLM and other servers: `reasoning_content`.
-    reasoning = _field(message, "reasoning") or _field(message, "reasoning_content") or ""
-    content = _field(message, "content") or ""
-    if not isinstance(reasoning, str) or not isinstance(content, str):
-        raise MalformedResponse("message reasoning/content is not a string")
-    usage = getattr(resp, "usage", None)
-    usage = usage.model_dump(exclude_none=True) if hasattr(usage, "model_dump") else (usage or {})
-    out = {
-        "reasoning": reasoning,
-        "content": content,
-        "finish_reason": getattr(choice, "finish_reason", None),
-        "usage": {k: v for k, v in usage.items() if isinstance(v, (int, float))},
-    }
-    prompt_ids, completion_ids = _field(resp, "prompt_token_ids"), _field(choice, "token_ids")
-    if prompt_ids is not None:
-        out["prompt_token_ids"] = _token_id_list(prompt_ids, "prompt_token_ids")
-    if completion_ids is not None:
-        out["completion_token_ids"] = _token_id_list(completion_ids, "choices[0].token_ids")
-    return out
-
-
-def request_extra_body(cfg: Config) -> dict:
-    """generate.extra_body + enable_thinking + return_token_ids (token_ids_from=server)."""
-    extra_body = dict(cfg.generate.extra_body)
-    if cfg.generate.enable_thinking is not None:
-        extra_body["chat_template_kwargs"] = dict(extra_body.get("chat_template_kwargs") or {}) | {
-            "enable_thinking": cfg.generate.enable_thinking}
-    if cfg.tokenize.token_ids_from == "server":
-        extra_body["return_token_ids"] = True
-    return extra_body
-
-
-def token_ids_from(cfg: Config) -> str:
-    if cfg.tokenize.token_ids_from not in TOKEN_IDS_FROM:
-        raise ConfigError(f"tokenize.token_ids_from must be 'template' or 'server', got '{cfg.tokenize.token_ids_from}'")
-    return cfg.tokenize.token_ids_from
-
-
-def has_token_ids(turn: Any) -> bool:
-    return (isinstance(turn, dict) and isinstance(turn.get("prompt_token_ids"), list)
-            and isinstance(turn.get("completion_token_ids"), list))
 
 
 def last_turn(row: dict) -> Any:
@@ -335,7 +246,7 @@ class Generator:
     def __init__(self, cfg: Config, clients, model: str, raw: JsonlAppender, failed: JsonlAppender, seed: int = 0):
         self.cfg = cfg
         self.g = cfg.generate
-        # Requests go round-robin over the clients (see make_clients).
+        # Requests go round-robin over the clients (see common.serving.chat.make_clients).
         self._clients = itertools.cycle(clients if isinstance(clients, (list, tuple)) else [clients])
         self.model = model
         self.raw = raw
@@ -350,8 +261,9 @@ class Generator:
     # -- one request, with retries
     async def _request(self, messages: list[dict]) -> tuple[dict, int]:
         g = self.g
-        extra_body = request_extra_body(self.cfg)
         need_ids = self.cfg.tokenize.token_ids_from == "server"
+        request = chat_request(g, self.model, messages, max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
+                               return_token_ids=need_ids)
         attempt = 0
         while True:
             attempt += 1
@@ -359,14 +271,7 @@ class Generator:
             self.stats.change_in_flight(+1)
             t0 = time.monotonic()
             try:
-                resp = await next(self._clients).chat.completions.create(
-                    model=self.model,
-                    messages=messages,
-                    max_tokens=g.max_tokens,
-                    temperature=g.temperature,
-                    top_p=g.top_p,
-                    extra_body=extra_body or None,
-                )
+                resp = await next(self._clients).chat.completions.create(**request)
                 turn = parse_completion(resp)
                 if need_ids and not has_token_ids(turn):
                     raise MissingTokenIds(MISSING_TOKEN_IDS)
@@ -407,7 +312,7 @@ class Generator:
                 turn, n = await self._request(conversation)
             except _Failed as f:
                 if f.failure.status_code in AUTH_STATUS:  # every request would get it: stop, record nothing
-                    self.abort(auth_error(self.cfg, f.failure))
+                    self.abort(auth_error(self.g, f.failure))
                     return
                 self._record_failure(pid, f.failure, attempts + f.attempts, len(turns))
                 return
@@ -537,8 +442,7 @@ class Generator:
 AUTH_STATUS = (401, 403)
 
 
-def auth_error(cfg: Config, failure: Failure) -> str:
-    g = cfg.generate
+def auth_error(g: GenerateConfig, failure: Failure) -> str:
     return (f"the server at {g.base_url} refused a chat request with {failure.status_code} ({failure.reason[:160]}); "
             f"check the API key in the environment variable {g.api_key_env} (generate.api_key_env) and its permissions, "
             f"then rerun: the run stopped at once and recorded no prompt as failed")
@@ -551,41 +455,6 @@ class _Failed(Exception):
 
 
 # ----------------------------------------------------------------------------- server checks
-
-
-# httpx's pool checks every pooled connection on each request (O(pool size) syscalls), so one
-# client with 512 connections makes the client CPU-bound; pools of 64 halve the CPU per request
-# (bench/RESULTS.md).
-CONNECTIONS_PER_CLIENT = 64
-
-
-def make_clients(cfg: Config) -> list:
-    """Enough clients of at most CONNECTIONS_PER_CLIENT connections to keep `concurrency` in flight."""
-    n = max(1, math.ceil(cfg.generate.concurrency / CONNECTIONS_PER_CLIENT))
-    per_client = math.ceil(cfg.generate.concurrency / n)
-    return [make_client(cfg, per_client) for _ in range(n)]
-
-
-def make_client(cfg: Config, connections: int | None = None):
-    import httpx2
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
-    g = cfg.generate
-    connections = (connections or g.concurrency) + 8
-    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return AsyncOpenAI(
-        base_url=g.base_url,
-        api_key=api_key_from_env(cfg),
-        timeout=g.timeout_s,
-        max_retries=0,  # we retry ourselves, with backoff and accounting
-        http_client=DefaultAsyncHttpxClient(limits=limits, timeout=g.timeout_s),
-    )
-
-
-def server_root(base_url: str) -> str:
-    """http://host:port/v1 -> http://host:port (vLLM's /tokenize, /health, /metrics live there)."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 def _unreachable(cfg: Config, exc: BaseException) -> PipelineError:
@@ -661,8 +530,8 @@ def tokenizer_path(cfg: Config) -> str:
     return path
 
 
-def template_kwargs_of(cfg: Config) -> dict:
-    return {} if cfg.generate.enable_thinking is None else {"enable_thinking": cfg.generate.enable_thinking}
+def template_kwargs_of(g: GenerateConfig) -> dict:
+    return {} if g.enable_thinking is None else {"enable_thinking": g.enable_thinking}
 
 
 # A generated turn as the stage stores it; the fail-fast check renders it before any request.
@@ -678,20 +547,20 @@ def check_token_ids_source(cfg: Config, tokenizer, multi_turn: bool) -> None:
     """Fail fast, before any request: with token_ids_from=template the chat template must
     reproduce a generated turn (reasoning included), or tokenization would fail only after
     the whole generation. Probes one turn, and two when some prompt has several user turns."""
-    if token_ids_from(cfg) != "template":
+    if cfg.tokenize.token_ids_from != "template":
         return
     from common.target.tokenization import stop_token_ids, tokenize_conversation
 
     probe = PROBE_TURNS if multi_turn else PROBE_TURNS[:2]
     try:
         tokenize_conversation(tokenizer, probe, 1 << 30, stop_ids=stop_token_ids(tokenizer, tokenizer_path(cfg)),
-                              template_kwargs=template_kwargs_of(cfg))
+                              template_kwargs=template_kwargs_of(cfg.generate))
     except DataError as e:
         raise DataError(f"{e}; checked before generating: set tokenize.token_ids_from=server to take token ids "
                         "from vLLM instead") from None
 
 
-def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[str, dict], tokenizer) -> dict:
+def tokenize_outputs(cfg: Config, layout: Layout, prompts: list[dict], done: dict[str, dict], tokenizer) -> dict:
     """raw responses -> data/train.jsonl + data/eval.jsonl. Returns the counts. Each sample is
     written as soon as it is tokenized (50k long samples held as Python lists would take GBs);
     both files appear, complete, only when every sample is done (atomic).
@@ -705,7 +574,7 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
 
     from_server = cfg.tokenize.token_ids_from == "server"
     stop_ids = None if from_server else stop_token_ids(tokenizer, tokenizer_path(cfg))
-    template_kwargs = template_kwargs_of(cfg)
+    template_kwargs = template_kwargs_of(cfg.generate)
     stats: Counter = Counter()
 
     def tokenize(row: dict) -> Optional[dict]:
@@ -735,7 +604,7 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
     kept = {"train": 0, "eval": 0}
     t0 = time.monotonic()
     tokens = loss_tokens = 0
-    with jsonl_writer_atomic(paths.eval) as write_eval, jsonl_writer_atomic(paths.train) as write_train:
+    with jsonl_writer_atomic(layout.eval_jsonl) as write_eval, jsonl_writer_atomic(layout.train_jsonl) as write_train:
         for prompt in tqdm(prompts, desc="tokenize", unit="sample", file=sys.stderr, dynamic_ncols=True):
             row = done.get(prompt["id"])
             sample = tokenize(row) if row is not None else None
@@ -764,11 +633,11 @@ def tokenize_outputs(cfg: Config, paths: Paths, prompts: list[dict], done: dict[
 # ----------------------------------------------------------------------------- stage
 
 
-def finalize_failed(paths: Paths, prompt_ids: set[str], done_ids: set[str]) -> dict[str, dict]:
+def finalize_failed(layout: Layout, prompt_ids: set[str], done_ids: set[str]) -> dict[str, dict]:
     """Rewrite failed.jsonl atomically with only the ids that are still not done."""
-    still = {pid: r for pid, r in load_failed(paths.failed).items() if pid in prompt_ids and pid not in done_ids}
-    if paths.failed.exists() or still:
-        write_jsonl_atomic(paths.failed, still.values())
+    still = {pid: r for pid, r in load_failed(layout.failed).items() if pid in prompt_ids and pid not in done_ids}
+    if layout.failed.exists() or still:
+        write_jsonl_atomic(layout.failed, still.values())
     return still
 
 
@@ -787,51 +656,51 @@ def run_stage(cfg: Config, overwrite: bool = False) -> int:
 
 
 def _run_stage(cfg: Config, overwrite: bool) -> int:
-    paths = Paths.of(cfg)
+    layout = Layout.of(cfg)
     if overwrite:
-        for p in paths.outputs():
+        for p in layout.generate_outputs():
             p.unlink(missing_ok=True)
-    prompts, report = read_prompts(paths)
+    prompts, report = read_prompts(layout)
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_tokenizer_of(cfg)
-    manifest = stage_manifest(cfg, paths, tokenizer)
-    if manifest.begin(overwrite, outputs=[paths.raw, paths.train, paths.eval]) == "complete":
+    manifest = stage_manifest(cfg, layout, tokenizer)
+    if manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl]) == "complete":
         r = manifest.result
         print(f"01b_generate_synthetic: already complete ({r.get('num_done')} samples generated; train {r.get('train')}, "
-              f"eval {r.get('eval')}) in {paths.raw.parent}; use --overwrite to redo")
+              f"eval {r.get('eval')}) in {layout.data}; use --overwrite to redo")
         manifest.record("already_complete")
         return 0
-    done, todo = read_done(paths, prompts, report)
-    check_token_sources(cfg, paths, tokenizer, prompts, done)
+    done, todo = read_done(layout, prompts, report)
+    check_token_sources(cfg, layout, tokenizer, prompts, done)
     interrupted = False
     if todo:
-        done, interrupted = generate_missing(cfg, paths, todo, tokenizer, report, manifest)
-    still_failed = account_results(paths, prompts, done, report, interrupted)
+        done, interrupted = generate_missing(cfg, layout, todo, tokenizer, report, manifest)
+    still_failed = account_results(layout, prompts, done, report, interrupted)
     if interrupted:
-        atomic_write_json(paths.report, report | {"complete": False})
+        atomic_write_json(layout.generate_report, report | {"complete": False})
         print(f"01b_generate_synthetic: interrupted: {generation_line(report)}{report['num_done']}/{len(prompts)} done, "
               f"{len(still_failed)} failed; rerun the same command to resume", file=sys.stderr)
         return 130
-    check_failure_share(cfg, paths, report, still_failed, manifest)
-    tok = tokenize_outputs(cfg, paths, prompts, done, tokenizer)
+    check_failure_share(cfg, layout, report, still_failed, manifest)
+    tok = tokenize_outputs(cfg, layout, prompts, done, tokenizer)
     report |= {"tokenize": tok, "complete": not still_failed}
-    atomic_write_json(paths.report, report)
+    atomic_write_json(layout.generate_report, report)
     result = {"num_done": report["num_done"], "num_failed": len(still_failed), "train": tok["train"], "eval": tok["eval"]}
     # Complete only with no failures left: a rerun retries them (with a server).
     manifest.complete(result) if not still_failed else manifest.partial(result)
     print(f"01b_generate_synthetic: {generation_line(report)}{report['num_done']}/{len(prompts)} done, {len(still_failed)} failed"
-          f"{' (rerun to retry them; reasons in ' + str(paths.failed) + ')' if still_failed else ''}; "
+          f"{' (rerun to retry them; reasons in ' + str(layout.failed) + ')' if still_failed else ''}; "
           f"tokenized train {tok['train']}, eval {tok['eval']}, {tok['tokens']} tokens ({tok['loss_tokens']} with loss), "
           f"{tok['truncated']} truncated, skipped {tok['skipped'] or 0}")
     return 0
 
 
-def read_prompts(paths: Paths) -> tuple[list[dict], dict]:
+def read_prompts(layout: Layout) -> tuple[list[dict], dict]:
     """The prompts to answer, and the report's first counts (duplicates, rows 01 would have dropped)."""
     skipped: Counter = Counter()
-    prompts, dup_prompts = load_prompts(paths.prompts, skipped)
+    prompts, dup_prompts = load_prompts(layout.prompts, skipped)
     if skipped:
-        log.warning("%s: skipped %d prompt row(s) that stage 01 would drop (%s)", paths.prompts, sum(skipped.values()),
+        log.warning("%s: skipped %d prompt row(s) that stage 01 would drop (%s)", layout.prompts, sum(skipped.values()),
                     ", ".join(f"{k} {v}" for k, v in skipped.most_common()))
     return prompts, {"num_prompts": len(prompts), "duplicate_prompt_ids": dup_prompts, "skipped_prompts": dict(skipped)}
 
@@ -840,18 +709,18 @@ def load_tokenizer_of(cfg: Config):
     from common.target.tokenization import load_tokenizer
 
     return load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code,
-                          require_chat_template=token_ids_from(cfg) != "server")
+                          require_chat_template=cfg.tokenize.token_ids_from != "server")
 
 
-def stage_manifest(cfg: Config, paths: Paths, tokenizer) -> StageManifest:
+def stage_manifest(cfg: Config, layout: Layout, tokenizer) -> StageManifest:
     """01b's record (common.core.run_folder). Sampling settings must stay the same to resume: two
     generations are never mixed in one data set. New prompts are simply generated, and changed
     tokenization settings (or tokenizer) retokenize everything from the raw responses."""
     g, t = cfg.generate, cfg.tokenize
     template = getattr(tokenizer, "chat_template", None) or ""
     return StageManifest(
-        Layout.of(cfg), "01b_generate_synthetic",
-        inputs={"data/prompts.jsonl": paths.prompts},
+        layout, "01b_generate_synthetic",
+        inputs=layout.named(layout.prompts),
         settings={
             "sampling": {"model": g.model, "max_tokens": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p,
                          "enable_thinking": g.enable_thinking, "extra_body": g.extra_body},
@@ -859,46 +728,46 @@ def stage_manifest(cfg: Config, paths: Paths, tokenizer) -> StageManifest:
                          "tokenizer": tokenizer_path(cfg),
                          "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()},
         },
-        redo_on={"data/prompts.jsonl", "tokenize"},
+        redo_on={layout.name(layout.prompts), "tokenize"},
     )
 
 
-def read_done(paths: Paths, prompts: list[dict], report: dict) -> tuple[dict[str, dict], list[dict]]:
+def read_done(layout: Layout, prompts: list[dict], report: dict) -> tuple[dict[str, dict], list[dict]]:
     """(finished rows by id, prompts still to answer)."""
     prompt_ids = {p["id"] for p in prompts}
-    done, dup_raw = load_done(paths.raw)
+    done, dup_raw = load_done(layout.raw_responses)
     if dup_raw:
-        log.warning("%s holds %d duplicate id(s); using the first row of each", paths.raw, dup_raw)
+        log.warning("%s holds %d duplicate id(s); using the first row of each", layout.raw_responses, dup_raw)
     report |= {"duplicates_in_raw": dup_raw, "done_before": sum(1 for pid in done if pid in prompt_ids)}
     return done, [p for p in prompts if p["id"] not in done]
 
 
-def check_token_sources(cfg: Config, paths: Paths, tokenizer, prompts: list[dict], done: dict[str, dict]) -> None:
+def check_token_sources(cfg: Config, layout: Layout, tokenizer, prompts: list[dict], done: dict[str, dict]) -> None:
     """Before any request, the chosen source of token ids can work: the template reproduces a
     generated turn, or (server) the rows already generated carry ids."""
     multi_turn = any(sum(m.get("role") == "user" for m in p["messages"]) > 1 for p in prompts)
     check_token_ids_source(cfg, tokenizer, multi_turn)
-    if token_ids_from(cfg) == "server":
+    if cfg.tokenize.token_ids_from == "server":
         prompt_ids = {p["id"] for p in prompts}
         lacking = sum(1 for pid, row in done.items() if pid in prompt_ids and not has_token_ids(last_turn(row)))
         if lacking:
             raise DataError(
-                f"{lacking} finished row(s) in {paths.raw} have no token ids (generated with tokenize.token_ids_from="
+                f"{lacking} finished row(s) in {layout.raw_responses} have no token ids (generated with tokenize.token_ids_from="
                 "template); rerun with --overwrite to regenerate them with ids, or set tokenize.token_ids_from=template"
             )
 
 
-def generate_missing(cfg: Config, paths: Paths, todo: list[dict], tokenizer, report: dict,
+def generate_missing(cfg: Config, layout: Layout, todo: list[dict], tokenizer, report: dict,
                      manifest: StageManifest) -> tuple[dict[str, dict], bool]:
     """Answer the prompts in `todo`; returns (all finished rows, interrupted). A failure every
     request shares (a rejected API key) stops the run at once with one error line."""
     report |= {"base_url": cfg.generate.base_url, "concurrency": cfg.generate.concurrency}
-    generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, paths, todo, tokenizer))
+    generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, layout, todo, tokenizer))
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
     report |= {"model": model, "tokenizer_check": tok_check, "this_run": run_stats(generator.stats, len(todo))}
     if generator.fatal is not None:
-        fail(paths, report, manifest, generator.fatal)
-    done, _ = load_done(paths.raw)
+        fail(layout, report, manifest, generator.fatal)
+    done, _ = load_done(layout.raw_responses)
     return done, interrupted
 
 
@@ -923,16 +792,16 @@ def generation_line(report: dict) -> str:
             f"({r['requests_per_s']:.2f} req/s, {r['completion_tokens_per_s']:.0f} tok/s); ")
 
 
-def account_results(paths: Paths, prompts: list[dict], done: dict[str, dict], report: dict, interrupted: bool) -> dict[str, dict]:
+def account_results(layout: Layout, prompts: list[dict], done: dict[str, dict], report: dict, interrupted: bool) -> dict[str, dict]:
     """Rewrite failed.jsonl with the ids still not done; returns them."""
     prompt_ids = {p["id"] for p in prompts}
     done_ids = {pid for pid in done if pid in prompt_ids}
-    still_failed = finalize_failed(paths, prompt_ids, done_ids)
+    still_failed = finalize_failed(layout, prompt_ids, done_ids)
     report |= {"num_done": len(done_ids), "num_failed": len(still_failed), "interrupted": interrupted}
     return still_failed
 
 
-def check_failure_share(cfg: Config, paths: Paths, report: dict, still_failed: dict[str, dict], manifest: StageManifest) -> None:
+def check_failure_share(cfg: Config, layout: Layout, report: dict, still_failed: dict[str, dict], manifest: StageManifest) -> None:
     """No sample at all, or more failures than generate.max_failure_fraction: an error, and no
     train.jsonl is written (later stages must not train on a broken generation)."""
     n, failed = report["num_prompts"], len(still_failed)
@@ -940,56 +809,55 @@ def check_failure_share(cfg: Config, paths: Paths, report: dict, still_failed: d
         return
     causes = Counter(str(r.get("status_code") or r.get("error_type") or "unknown") for r in still_failed.values())
     why = ", ".join(f"{cause} x{count}" for cause, count in causes.most_common(3))
-    todo = f"reasons per id in {paths.failed}; fix the server or the prompts and rerun (finished samples are kept, failed ones retried)"
+    todo = f"reasons per id in {layout.failed}; fix the server or the prompts and rerun (finished samples are kept, failed ones retried)"
     limit = cfg.generate.max_failure_fraction
     if report["num_done"] == 0:
-        fail(paths, report, manifest, f"no prompt got an answer: all {failed} of {n} failed every retry ({why}); {todo}")
+        fail(layout, report, manifest, f"no prompt got an answer: all {failed} of {n} failed every retry ({why}); {todo}")
     if failed / n > limit:
-        fail(paths, report, manifest, f"{failed} of {n} prompts ({failed / n:.0%}) failed every retry, more than "
+        fail(layout, report, manifest, f"{failed} of {n} prompts ({failed / n:.0%}) failed every retry, more than "
                                       f"generate.max_failure_fraction={limit:g} ({why}); {todo}")
 
 
-def fail(paths: Paths, report: dict, manifest: StageManifest, message: str) -> None:
+def fail(layout: Layout, report: dict, manifest: StageManifest, message: str) -> None:
     """Record why the run failed in generate_report.json and the manifest, then stop with one line."""
-    atomic_write_json(paths.report, report | {"complete": False, "error": message})
+    atomic_write_json(layout.generate_report, report | {"complete": False, "error": message})
     manifest.partial(manifest.result, outcome="failed")
     raise PipelineError(message)
 
 
-async def check_server_token_ids(client, cfg: Config, model: str) -> None:
+async def check_server_token_ids(client, g: GenerateConfig, model: str) -> None:
     """token_ids_from=server: one 1-token request must come back with token ids, or every
     request of the run would (after generating in full). Transient trouble only warns: each
     real request is checked again."""
     import openai
 
     try:
-        resp = await client.with_options(timeout=min(cfg.generate.timeout_s, 60.0)).chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0.0,
-            extra_body=request_extra_body(cfg),
-        )
+        resp = await client.with_options(timeout=min(g.timeout_s, 60.0)).chat.completions.create(
+            **chat_request(g, model, [{"role": "user", "content": "hi"}], max_tokens=1, temperature=0.0,
+                           return_token_ids=True))
         turn = parse_completion(resp)
     except openai.BadRequestError as e:
-        raise PipelineError(f"the server at {cfg.generate.base_url} rejected a request with return_token_ids=true "
+        raise PipelineError(f"the server at {g.base_url} rejected a request with return_token_ids=true "
                             f"({' '.join(str(e).split())[:200]}); {MISSING_TOKEN_IDS}") from None
     except Exception as e:  # noqa: BLE001 - transient: the per-request check still applies
         log.warning("could not check that the server returns token ids (%s); each request is checked", type(e).__name__)
         return
     if not has_token_ids(turn):
-        raise PipelineError(f"the server at {cfg.generate.base_url}: {MISSING_TOKEN_IDS}")
+        raise PipelineError(f"the server at {g.base_url}: {MISSING_TOKEN_IDS}")
 
 
-async def _generate(cfg: Config, paths: Paths, todo: list[dict], tokenizer):
-    client = make_client(cfg)
+async def _generate(cfg: Config, layout: Layout, todo: list[dict], tokenizer):
+    client = make_client(cfg.generate)
     try:
         model = await resolve_model(client, cfg)  # first request: an unreachable server fails in a second
         tok_check = await check_tokenizer_matches(client, cfg, model, tokenizer)
         if tok_check != "match":
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
         if cfg.tokenize.token_ids_from == "server":
-            await check_server_token_ids(client, cfg, model)
-        pool = make_clients(cfg)
+            await check_server_token_ids(client, cfg.generate, model)
+        pool = make_clients(cfg.generate)
         try:
-            with JsonlAppender(paths.raw, cfg.generate.fsync_every) as raw, JsonlAppender(paths.failed, 1) as failed:
+            with JsonlAppender(layout.raw_responses, cfg.generate.fsync_every) as raw, JsonlAppender(layout.failed, 1) as failed:
                 generator = Generator(cfg, pool, model, raw, failed, seed=cfg.data.seed)
                 completed = await generator.run(todo)
         finally:

@@ -26,6 +26,9 @@ a key of everything it depends on, so run_pipeline.py can take it on the generat
 already has running (`05_evaluate.py --baseline-only --base-url URL`) and this stage starts one
 server instead of two.
 
+Requests go through common.serving.chat, 01b's client and request body: generate.extra_body and
+generate.enable_thinking reach 05's requests as they reach 01b's.
+
 Outputs under run_dir/eval/: report.json (atomic), report.png, outputs.jsonl and
 outputs-other.jsonl (both outputs per prompt), baseline.json, baseline-other.json.
 """
@@ -39,13 +42,15 @@ import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from common.core.config import Config, api_key_from_env
+from common.core.config import Config
 from common.core.errors import DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256, iter_jsonl, read_json, write_jsonl_atomic
+from common.core.run_folder import Layout, StageManifest
+from common.serving.chat import chat_request, make_client, parse_completion, served_model
 
 
 REPORT_VERSION = 1
@@ -104,7 +109,7 @@ def _first_user_turn(row: dict) -> list[dict]:
 
 def load_eval_prompts(cfg: Config) -> list[dict]:
     """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn."""
-    path = cfg.run_path / "data" / "prompts.jsonl"
+    path = Layout.of(cfg).prompts
     if not path.is_file():
         raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
     prompts = []
@@ -145,7 +150,7 @@ def load_other_prompts(cfg: Config) -> Optional[list[dict]]:
             break
     if not prompts:
         raise DataError(f"{path} has no prompts; write it with `python scripts/make_sample_data.py --other`")
-    train_prompts = cfg.run_path / "data" / "prompts.jsonl"
+    train_prompts = Layout.of(cfg).prompts
     if train_prompts.is_file():
         user_text = lambda msgs: next(m["content"] for m in msgs if m["role"] == "user")  # noqa: E731
         trained = {user_text(_first_user_turn(r)) for r in iter_jsonl(train_prompts)
@@ -187,6 +192,8 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
         "prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in prompts]),
         "sampling": sampling_params(cfg),
         "server": asdict(cfg.server) | {"port": None},
+        # Every request carries generate.extra_body (common.serving.chat); keys made without one stay valid.
+        **({"extra_body": cfg.generate.extra_body} if cfg.generate.extra_body else {}),
     }
 
 
@@ -201,36 +208,21 @@ def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str
     }
 
 
-def make_client(cfg: Config, base_url: str):
-    from openai import OpenAI
-
+def eval_client(cfg: Config, base_url: str):
+    """A blocking client of common.serving.chat for evaluate.concurrency threads, with openai-python's
+    2 retries (a timed measurement has no retry accounting of its own)."""
     for name in ("httpx", "httpx2"):  # one INFO line per request otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
-
-    # openai-python defaults to a 600 s timeout and 2 silent retries: set both explicitly.
-    return OpenAI(base_url=base_url, api_key=api_key_from_env(cfg), timeout=cfg.generate.timeout_s, max_retries=2)
-
-
-def served_model(client) -> str:
-    models = [m.id for m in client.models.list().data]
-    if not models:
-        raise PipelineError("the vLLM server lists no models")
-    return models[0]
+    return make_client(cfg.generate, base_url, connections=cfg.evaluate.concurrency, blocking=True, max_retries=2)
 
 
 def _chat(cfg: Config, client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    from common.data.generate import parse_completion
-
-    extra_body = {}
-    if cfg.generate.enable_thinking is not None:
-        extra_body["chat_template_kwargs"] = {"enable_thinking": cfg.generate.enable_thinking}
-    if cfg.evaluate.replay_served:
-        extra_body["return_token_ids"] = True  # the exact ids the replay on the served outputs needs
+    """One request of common.serving.chat's: evaluate.temperature, generate.extra_body and
+    enable_thinking, and (evaluate.replay_served) the exact token ids the replay on the served outputs needs."""
     t0 = time.monotonic()
-    resp = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
-        extra_body=extra_body or None,
-    )
+    resp = client.chat.completions.create(**chat_request(
+        cfg.generate, model, messages, max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
+        return_token_ids=cfg.evaluate.replay_served))
     out = parse_completion(resp)
     out["latency_s"] = round(time.monotonic() - t0, 3)
     return out
@@ -241,7 +233,7 @@ def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
 
     Call it before the first /metrics scrape: its drafts must not count.
     """
-    client = make_client(cfg, base_url)
+    client = eval_client(cfg, base_url)
     _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0]["messages"], 8)
 
 
@@ -254,7 +246,7 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
     import openai
     from tqdm import tqdm
 
-    client = make_client(cfg, base_url)
+    client = eval_client(cfg, base_url)
     model = cfg.generate.model or served_model(client)
     outputs: dict[str, dict] = {}
     t0 = time.monotonic()
@@ -333,27 +325,6 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
 # ----------------------------------------------------------------------------- the stage
 
 
-@dataclass
-class EvalPaths:
-    dir: Path
-    report: Path
-    plot: Path
-    outputs: Path
-    baseline: Path
-    logs: Path
-    outputs_other: Path
-    baseline_other: Path
-
-    @classmethod
-    def of(cls, cfg: Config) -> "EvalPaths":
-        d = cfg.run_path / "eval"
-        return cls(d, d / "report.json", d / "report.png", d / "outputs.jsonl", d / "baseline.json", cfg.run_path / "logs",
-                   d / "outputs-other.jsonl", d / "baseline-other.json")
-
-    def baseline_of(self, prompt_set: str) -> Path:
-        return self.baseline if prompt_set == HELD_OUT else self.baseline_other
-
-
 # The two prompt sets 05 measures: held-out prompts of the training distribution, and
 # evaluate.other_prompts (another kind, never trained on).
 HELD_OUT, OTHER = "held_out", "other"
@@ -370,7 +341,7 @@ def prompt_sets(cfg: Config) -> dict[str, list[dict]]:
 def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None, prompt_set: str = HELD_OUT) -> Optional[dict]:
     """The target-alone run of a prompt set (eval/baseline.json, eval/baseline-other.json) if it was
     measured with the current key, else None."""
-    path = EvalPaths.of(cfg).baseline_of(prompt_set)
+    path = Layout.of(cfg).baseline_of(prompt_set)
     if not path.is_file():
         return None
     try:
@@ -392,7 +363,7 @@ def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set
     warm_up(cfg, base_url, prompts)
     run = run_prompts(cfg, base_url, prompts, desc="target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})"))
     baseline = {"key": baseline_key(cfg, prompts), "created": time.time(), **run}
-    atomic_write_json(EvalPaths.of(cfg).baseline_of(prompt_set), baseline)
+    atomic_write_json(Layout.of(cfg).baseline_of(prompt_set), baseline)
     return baseline
 
 
@@ -405,7 +376,7 @@ def read_offline_report(cfg: Config) -> Optional[dict]:
     """
     from common.model.acceptance import product_formula, product_per_position
 
-    path = cfg.run_path / "train" / "eval_report.json"
+    path = Layout.of(cfg).train_eval_report
     if not path.is_file():
         return None
     try:
@@ -506,40 +477,38 @@ def replay_on_served(cfg: Config, draft: Path, prompts: list[dict], outputs: dic
 
 def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False,
               baseline_only: bool = False, base_url: Optional[str] = None) -> int:
-    paths = EvalPaths.of(cfg)
+    layout = Layout.of(cfg)
     sets = prompt_sets(cfg)
     if baseline_only:
-        return run_baseline_only(cfg, paths, sets, base_url, overwrite)
+        return run_baseline_only(cfg, layout, sets, base_url, overwrite)
     draft = find_draft(cfg, draft_dir)
     draft_sha = draft_fingerprint(draft)
     key = report_key(cfg, sets[HELD_OUT], draft, draft_sha, sets.get(OTHER))
     if overwrite:
-        for p in (paths.report, paths.plot, paths.outputs, paths.baseline, paths.outputs_other, paths.baseline_other):
+        for p in layout.evaluate_outputs():
             p.unlink(missing_ok=True)
     manifest = stage_manifest(cfg, key)
-    if manifest.begin(overwrite, outputs=[paths.report]) == "complete":
+    if manifest.begin(overwrite, outputs=[layout.eval_report]) == "complete":
         manifest.record("already_complete")
-        print(f"05_evaluate: already complete ({paths.report}): {format_summary(read_json(paths.report))}; use --overwrite to redo")
+        print(f"05_evaluate: already complete ({layout.eval_report}): {format_summary(read_json(layout.eval_report))}; use --overwrite to redo")
         return 0
-    with_draft, acceptance = measure_with_draft(cfg, paths, sets, draft)
-    baselines = measure_or_reuse_baselines(cfg, paths, sets, base_url)
-    report = build_report(cfg, paths, sets, draft, draft_sha, key, with_draft, acceptance, baselines)
-    write_report(cfg, paths, report)
+    with_draft, acceptance = measure_with_draft(cfg, layout, sets, draft)
+    baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url)
+    report = build_report(cfg, layout, sets, draft, draft_sha, key, with_draft, acceptance, baselines)
+    write_report(cfg, layout, report)
     manifest.complete({"acceptance_length": report.get("acceptance_length")})
-    print(f"05_evaluate: {format_summary(report)} -> {paths.report}")
+    print(f"05_evaluate: {format_summary(report)} -> {layout.eval_report}")
     return 0
 
 
-def run_baseline_only(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], base_url: Optional[str], overwrite: bool) -> int:
+def run_baseline_only(cfg: Config, layout: Layout, sets: dict[str, list[dict]], base_url: Optional[str], overwrite: bool) -> int:
     """run_pipeline.py: measure the target alone on the server it already runs for 01b."""
-    from common.core.run_folder import Layout, StageManifest
-
     if not base_url:
         raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
     todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
-    record = StageManifest(Layout.of(cfg), "05_baseline").record  # what run_pipeline reports
+    record = StageManifest(layout, "05_baseline").record  # what run_pipeline reports
     if not todo:
-        print(f"05_evaluate: baseline already complete ({paths.baseline}); use --overwrite to redo")
+        print(f"05_evaluate: baseline already complete ({layout.baseline}); use --overwrite to redo")
         record("already_complete")
         return 0
     for name in todo:
@@ -551,19 +520,19 @@ def run_baseline_only(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]]
 
 
 def find_draft(cfg: Config, draft_dir: Optional[str]) -> Path:
-    draft = Path(draft_dir) if draft_dir else cfg.run_path / "train" / "final"
+    draft = Path(draft_dir) if draft_dir else Layout.of(cfg).final
     if not (draft / "config.json").is_file():
         raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
     return draft
 
 
-def measure_with_draft(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], draft: Path) -> tuple[dict, dict]:
+def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft: Path) -> tuple[dict, dict]:
     """Target + draft: each prompt set between its own pair of /metrics scrapes. Returns (runs, acceptance) per set."""
     from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
 
     k = cfg.evaluate.num_speculative_tokens
     with_draft, acceptance = {}, {}
-    with target_server(cfg, speculative_config(cfg, draft), log_path=paths.logs / "vllm_eval_draft.log") as server:
+    with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log("vllm_eval_draft")) as server:
         warm_up(cfg, server.base_url, sets[HELD_OUT])
         for name, set_prompts in sets.items():
             before = spec_decode_metrics(scrape_metrics(server.base_url))
@@ -573,22 +542,22 @@ def measure_with_draft(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]
     return with_draft, acceptance
 
 
-def measure_or_reuse_baselines(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], base_url: Optional[str]) -> dict:
+def measure_or_reuse_baselines(cfg: Config, layout: Layout, sets: dict[str, list[dict]], base_url: Optional[str]) -> dict:
     """Target alone, per set: cached when run_pipeline measured it on the generation server."""
     baselines = {name: cached_baseline(cfg, set_prompts, name) for name, set_prompts in sets.items()}
     if any(b is None for b in baselines.values()):
         with (contextlib.nullcontext(None) if base_url else
-              target_server(cfg, None, log_path=paths.logs / "vllm_eval_target.log")) as server:
+              target_server(cfg, None, log_path=layout.log("vllm_eval_target"))) as server:
             for name, b in baselines.items():
                 if b is None:
                     baselines[name] = measure_baseline(cfg, base_url or server.base_url, sets[name], name)
     return baselines
 
 
-def build_report(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], draft: Path, draft_sha: str, key: dict,
+def build_report(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft: Path, draft_sha: str, key: dict,
                  with_draft: dict, acceptance: dict, baselines: dict) -> dict:
     prompts, other = sets[HELD_OUT], sets.get(OTHER)
-    held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], paths.outputs)
+    held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], layout.eval_outputs)
     report = {
         "version": REPORT_VERSION,
         "complete": True,
@@ -601,10 +570,10 @@ def build_report(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], dra
         "offline": read_offline_report(cfg),
         "other_prompts": None if other is None else {
             "path": cfg.evaluate.other_prompts,
-            **_set_results(cfg, other, with_draft[OTHER], acceptance[OTHER], baselines[OTHER], paths.outputs_other)},
-        "files": {"report": str(paths.report), "plot": str(paths.plot), "outputs": str(paths.outputs),
-                  "baseline": str(paths.baseline),
-                  **({"outputs_other": str(paths.outputs_other), "baseline_other": str(paths.baseline_other)} if other else {})},
+            **_set_results(cfg, other, with_draft[OTHER], acceptance[OTHER], baselines[OTHER], layout.eval_outputs_of(OTHER))},
+        "files": {"report": str(layout.eval_report), "plot": str(layout.eval_plot), "outputs": str(layout.eval_outputs),
+                  "baseline": str(layout.baseline),
+                  **({"outputs_other": str(layout.eval_outputs_of(OTHER)), "baseline_other": str(layout.baseline_of(OTHER))} if other else {})},
         "created": time.time(),
     }
     report["offline_prediction_error"] = prediction_error(report)
@@ -613,22 +582,20 @@ def build_report(cfg: Config, paths: EvalPaths, sets: dict[str, list[dict]], dra
     return report
 
 
-def write_report(cfg: Config, paths: EvalPaths, report: dict) -> None:
+def write_report(cfg: Config, layout: Layout, report: dict) -> None:
     """The plot, then report.json; warns when greedy outputs differ with and without the draft."""
     from common.evaluate.plots import plot_report
 
-    plot_report(report, cfg.run_path / "train" / "metrics.jsonl", paths.plot)
-    atomic_write_json(paths.report, report)
+    plot_report(report, layout.metrics, layout.eval_plot)
+    atomic_write_json(layout.eval_report, report)
     for name, part in ((HELD_OUT, report), (OTHER, report["other_prompts"])):
         o = part["outputs"] if part else None
         if o and o["greedy"] and o["identical"] != o["compared"]:
             print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
-                  f"prompts) differ with and without the draft (see 'mismatch_examples' in {paths.report})", file=sys.stderr)
+                  f"prompts) differ with and without the draft (see 'mismatch_examples' in {layout.eval_report})", file=sys.stderr)
 
 
 def stage_manifest(cfg: Config, key: dict):
     """05's record (common.core.run_folder): everything the measurement depends on (report_key). A
     measurement is replaced whole, so any change means "measure again", not an error."""
-    from common.core.run_folder import Layout, StageManifest
-
     return StageManifest(Layout.of(cfg), "05_evaluate", settings=key, redo_on=set(key))

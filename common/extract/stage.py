@@ -1,14 +1,10 @@
 """Stage 02: run the target over every tokenized sample and store the hidden states EAGLE-3 trains on.
 
-Output under run_dir/hidden/ (docs/design.md#artifact-formats), one row per token, samples concatenated:
-    shard-NNNNN.safetensors
-        input_ids       int64 [N]
-        loss_mask       uint8 [N]
-        aux_hidden      [N, n_aux*H_t]  extract.dtype; the aux states concatenated in aux_layer_ids order
-        final_hidden    [N, H_t]        extract.dtype; the final-norm output = input of the target lm_head
-        sample_offsets  int64 [n_samples+1]; sample i is rows offsets[i]:offsets[i+1]
-    index.json   per shard: file, split, sample_ids (in shard order), num_tokens, sha256, bytes; "complete"
-    plan.json    which samples go in which shard, fixed before the first forward pass
+Output under run_dir/hidden/ (docs/design.md#artifact-formats; paths from common.core.run_folder.Layout):
+    the shards and index.json, in the format common.hidden.shards owns (writer, index, verification):
+        one row per token, samples concatenated; per shard, the index lists file, split, sample_ids (in
+        shard order), num_tokens, sha256, bytes; "complete" once every planned shard is written
+    plan.json    which samples go in which shard, fixed before the first forward pass (here)
 
 Which tensors, and why (docs/design.md#aux-layer-convention and #artifact-formats)
 - aux id k = the residual stream after k decoder layers = the input of decoder layer k, captured by a
@@ -31,10 +27,11 @@ Resume and integrity
 - plan.json is computed once from the input files (deterministic: train then eval, input order,
   contiguous runs of samples up to shard_max_tokens) and saved atomically before any shard. Resume works
   at shard granularity and reproduces the same batches, so on CPU a resumed run writes byte-identical
-  shards. Shards are written to a temp name and renamed (common.core.io.atomic_path); the index is
-  rewritten atomically after every shard with the shard's sha256 (computed while writing).
-- On rerun every indexed shard is verified (extract.verify: sha256, or size for huge runs); a missing,
-  truncated or corrupted shard is reported and recomputed. A shard file that exists but is not in the
+  shards. Shards are written to a temp name and renamed (common.hidden.shards.write_shard); the index
+  is rewritten atomically after every shard with the shard's sha256 (computed while writing).
+- On rerun every indexed shard is verified (common.hidden.shards.verify_entry with extract.verify:
+  sha256, or size for huge runs); a missing, truncated or corrupted shard is reported and recomputed.
+  An index or plan in a format_version this code does not read is an error that suggests --overwrite. A shard file that exists but is not in the
   index (killed between rename and index update) is recomputed. Changed inputs or settings are a clear
   error that suggests --overwrite.
 
@@ -46,7 +43,7 @@ Placement and multi-GPU
   is passed to transformers as is.
 - torchrun (WORLD_SIZE > 1): data parallel, one full model copy per GPU (cuda:LOCAL_RANK). Rank 0 does
   the setup (plan, verification, disk check) and broadcasts it over a gloo process group; shard k goes
-  to rank k % world_size; each rank writes its shards and an index fragment (index.rank-RRRRR.json,
+  to rank k % world_size; each rank writes its shards and an index fragment (Layout.index_fragment,
   atomic); rank 0 merges the fragments into index.json after each of its shards and once more after
   the final barrier (the merge is a pure function of the fragments, so it is idempotent).
 
@@ -64,50 +61,27 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import hashlib
-import json
 import logging
 import shutil
-import struct
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from tqdm import tqdm
 
 from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
-from common.core.io import atomic_path, atomic_write_json, bytes_bar, file_sha256, format_bytes, read_json
+from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
+from common.core.run_folder import Layout, StageManifest
+from common.hidden.shards import (FORMAT_VERSION, ID_MASK_BYTES, build_index, check_format_version, dtype_bytes, index_header,
+                                  read_entries, shard_entry, verify_entry, write_fragment, write_index, write_shard)
 
 if TYPE_CHECKING:  # torch is imported only when the stage runs
     from common.core.distributed import DistEnv
 
 log = logging.getLogger("extract")
-
-FORMAT_VERSION = 1
-SPLITS = ("train", "eval")
-INDEX_NAME = "index.json"
-PLAN_NAME = "plan.json"
-ID_MASK_BYTES = 8 + 1  # int64 input_ids + uint8 loss_mask per token
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:05d}.safetensors"
-
-
-def fragment_name(rank: int) -> str:
-    return f"index.rank-{rank:05d}.json"
-
-
-def dtype_bytes(name: str) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
-
-
-def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token: the aux states, the final state, input id and loss mask."""
-    return (num_aux + 1) * hidden_size * dtype_bytes(dtype) + ID_MASK_BYTES
-
 
 # ---------------------------------------------------------------------------------------------
 # Inputs: one pass over train.jsonl / eval.jsonl validates every sample and records where it is.
@@ -115,9 +89,11 @@ def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
 
 
 @dataclass
-class SampleRef:
+class InputSample:
+    """One tokenized sample of data/{split}.jsonl as the scan saw it (the plan is made of these)."""
+
     id: str
-    length: int
+    length: int  # tokens
     position: int  # line order within its split
 
 
@@ -126,7 +102,7 @@ class SplitScan:
     split: str
     path: Path
     sha256: str
-    samples: list[SampleRef]
+    samples: list[InputSample]
     line_offsets: list[int]  # byte offset of each sample's line, plus the file size at the end
 
 
@@ -162,29 +138,26 @@ def scan_split(path: Path, split: str, vocab_size: int, max_positions: int | Non
             row = parse_sample(line, path, lineno)
             check_sample(row, vocab_size, max_positions, model)
             offsets.append(start)
-            samples.append(SampleRef(row["id"], len(row["input_ids"]), len(samples)))
+            samples.append(InputSample(row["id"], len(row["input_ids"]), len(samples)))
     offsets.append(pos)
     return SplitScan(split, path, h.hexdigest(), samples, offsets)
 
 
-def input_paths(run_dir: Path) -> dict[str, Path]:
-    data = run_dir / "data"
-    train = data / "train.jsonl"
+def input_paths(layout: Layout) -> dict[str, Path]:
+    train = layout.train_jsonl
     if not train.is_file():
         raise DataError(f"{train} not found; run 01b_generate_synthetic.py first (it writes data/train.jsonl and data/eval.jsonl)")
     paths = {"train": train}
-    if (data / "eval.jsonl").is_file():
-        paths["eval"] = data / "eval.jsonl"
+    if layout.eval_jsonl.is_file():
+        paths["eval"] = layout.eval_jsonl
     return paths
 
 
 def stage_manifest(cfg, info):
     """02's record (common.core.run_folder): the tokenized inputs by content, and every setting that
     changes the stored features (aux layers, target, dtype, shard plan)."""
-    from common.core.run_folder import Layout, StageManifest
-
     layout = Layout.of(cfg)
-    inputs = {f"data/{split}.jsonl": path for split, path in input_paths(layout.run_dir).items()}
+    inputs = layout.named(*input_paths(layout).values())
     target_config = Path(cfg.target.model) / "config.json"
     if target_config.is_file():
         inputs["target config.json"] = target_config
@@ -196,19 +169,20 @@ def stage_manifest(cfg, info):
 # ---------------------------------------------------------------------------------------------
 
 
-def shard_order(samples: list[SampleRef]) -> list[SampleRef]:
+def shard_order(samples: list[InputSample]) -> list[InputSample]:
     """Longest first (padding is limited and the largest batch, the likeliest OOM, comes first)."""
     return sorted(samples, key=lambda s: (-s.length, s.position))
 
 
-def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int) -> list[dict]:
-    """Cut each split, in input order, into runs of samples with at most shard_max_tokens tokens."""
+def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int, layout: Layout) -> list[dict]:
+    """Cut each split, in input order, into runs of samples with at most shard_max_tokens tokens.
+    Shard k is the file Layout.shard(k)."""
     shards: list[dict] = []
 
-    def close(scan: SplitScan, run: list[SampleRef]) -> None:
+    def close(scan: SplitScan, run: list[InputSample]) -> None:
         first, last = run[0].position, run[-1].position
         shards.append({
-            "file": shard_name(len(shards)),
+            "file": layout.shard(len(shards)).name,
             "split": scan.split,
             "byte_start": scan.line_offsets[first],
             "byte_end": scan.line_offsets[last + 1],
@@ -236,123 +210,11 @@ def read_shard_samples(path: Path, shard: dict) -> list[dict]:
         f.seek(shard["byte_start"])
         data = f.read(shard["byte_end"] - shard["byte_start"])
     rows = [parse_sample(line, path, 0) for line in data.split(b"\n") if line.strip()]
-    refs = shard_order([SampleRef(r["id"], len(r["input_ids"]), i) for i, r in enumerate(rows)])
+    refs = shard_order([InputSample(r["id"], len(r["input_ids"]), i) for i, r in enumerate(rows)])
     ordered = [rows[r.position] for r in refs]
     if [r["id"] for r in ordered] != shard["sample_ids"]:
         raise DataError(f"{path} changed since hidden/plan.json was made; rerun 02_extract_hidden.py with --overwrite")
     return ordered
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing shards: a streaming safetensors writer that hashes while it writes.
-# ---------------------------------------------------------------------------------------------
-
-_ST_DTYPES = {"int64": "I64", "uint8": "U8", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-
-
-def write_safetensors(path: Path, tensors: list[tuple[str, list]]) -> tuple[str, int]:
-    """Write [(name, [chunk, ...])] as one safetensors file, each tensor = its chunks along dim 0.
-
-    Streams chunk by chunk (no concatenated copy of a multi-GB shard) and returns (sha256, size).
-    Loadable by safetensors.safe_open / load_file; byte-identical for identical inputs.
-    """
-    import torch
-
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, chunks in tensors:
-        first = chunks[0]
-        rows = sum(c.shape[0] for c in chunks)
-        nbytes = sum(c.numel() * c.element_size() for c in chunks)
-        header[name] = {"dtype": _ST_DTYPES[str(first.dtype).replace("torch.", "")], "shape": [rows, *first.shape[1:]],
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for block in (struct.pack("<Q", len(text)), text):
-            f.write(block)
-            digest.update(block)
-        for _, chunks in tensors:
-            for c in chunks:
-                raw = c.contiguous().view(torch.uint8).numpy()  # reinterpret (bf16 has no numpy dtype)
-                f.write(raw.data)
-                digest.update(raw.data)
-        f.flush()
-    return digest.hexdigest(), 8 + len(text) + offset
-
-
-def write_shard(final_path: Path, samples: list[dict], batches: list[dict]) -> dict:
-    """Write one shard atomically from its samples (shard order) and their per-batch states."""
-    import torch
-
-    lengths = [len(s["input_ids"]) for s in samples]
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int64)
-    loss_mask = torch.tensor([int(m) for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
-    tensors = [
-        ("input_ids", [input_ids]),
-        ("loss_mask", [loss_mask]),
-        ("aux_hidden", [b["aux"] for b in batches]),
-        ("final_hidden", [b["final"] for b in batches]),
-        ("sample_offsets", [offsets]),
-    ]
-    rows = sum(b["aux"].shape[0] for b in batches)
-    if rows != int(offsets[-1]):
-        raise PipelineError(f"internal error: {rows} hidden-state rows for {int(offsets[-1])} tokens in {final_path.name}")
-    with atomic_path(final_path) as tmp:
-        sha, size = write_safetensors(tmp, tensors)
-    return {"sha256": sha, "bytes": size, "num_loss_tokens": int(loss_mask.sum())}
-
-
-# ---------------------------------------------------------------------------------------------
-# Index: entries per shard, merged from index.json and per-rank fragments; verification.
-# ---------------------------------------------------------------------------------------------
-
-
-def read_entries(hidden_dir: Path) -> dict[str, dict]:
-    """Shard entries recorded so far, from index.json and any rank fragments (union by file)."""
-    entries: dict[str, dict] = {}
-    sources = [hidden_dir / INDEX_NAME] + sorted(hidden_dir.glob("index.rank-*.json"))
-    for src in sources:
-        if not src.is_file():
-            continue
-        try:
-            doc = json.loads(src.read_text(encoding="utf-8"))
-        except (ValueError, OSError):
-            log.warning("%s is unreadable; the shards it listed will be verified again or recomputed", src)
-            continue
-        for e in doc.get("shards", []):
-            entries[e["file"]] = e
-    return entries
-
-
-def verify_entry(hidden_dir: Path, entry: dict, mode: str, progress: Callable[[int], Any] | None = None) -> str | None:
-    """None if the shard on disk matches its entry, else why not. progress(n): n more bytes hashed."""
-    path = hidden_dir / entry["file"]
-    if not path.is_file():
-        return "missing"
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        return f"size {size} != {entry.get('bytes')} bytes (truncated or overwritten)"
-    if mode == "sha256" and file_sha256(path, progress=progress) != entry["sha256"]:
-        return "sha256 mismatch (corrupted)"
-    return None
-
-
-def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict]) -> dict:
-    shards = [entries[s["file"]] for s in plan_shards if s["file"] in entries]
-    complete = len(shards) == len(plan_shards)
-    splits = {}
-    for split in SPLITS:
-        mine = [s for s in shards if s["split"] == split]
-        splits[split] = {"num_shards": len(mine), "num_samples": sum(s["num_samples"] for s in mine),
-                         "num_tokens": sum(s["num_tokens"] for s in mine)}
-    return {**header, "complete": complete, "num_shards": len(shards), "num_planned_shards": len(plan_shards),
-            "num_tokens": sum(s["num_tokens"] for s in shards), "num_samples": sum(s["num_samples"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,29 +252,8 @@ def _settings(cfg, info) -> dict:
     }
 
 
-def _header(cfg, info, plan: dict) -> dict:
-    s = plan["settings"]
-    return {
-        "format_version": FORMAT_VERSION,
-        "aux_layer_ids": s["aux_layer_ids"],
-        "num_target_layers": s["num_target_layers"],
-        "target_hidden_size": s["target_hidden_size"],
-        "vocab_size": s["vocab_size"],
-        "model_type": s["model_type"],
-        "dtype": s["dtype"],
-        "target_dtype": s["target_dtype"],
-        "target_model": cfg.target.model,
-        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"]),
-        "inputs": plan["inputs"],
-    }
-
-
-def _validate_aux_ids(ids: list[int]) -> None:
-    if list(ids) != sorted(ids):
-        raise ConfigError(
-            f"target.aux_layer_ids = {ids} is not ascending; vLLM hands the draft the aux states in layer order, "
-            f"so list them ascending, e.g. {sorted(ids)}"
-        )
+def _header(cfg, plan: dict) -> dict:
+    return index_header(plan["settings"], cfg.target.model, plan["inputs"])
 
 
 def _warn_vllm_limits(info) -> None:
@@ -428,36 +269,37 @@ def _max_positions(info) -> int | None:
     return int(value) if value else None
 
 
-def prepare(cfg, info, hidden_dir: Path, overwrite: bool) -> dict:
+def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
     """Rank 0's setup: plan (new or checked), verification of existing shards, disk check.
 
     Returns {"status": "complete"|"todo", "plan", "entries", "todo": [shard files], ...}.
     """
-    paths = input_paths(Path(cfg.run_dir))
-    clear_outputs(hidden_dir, overwrite)
-    plan_path = hidden_dir / PLAN_NAME
+    paths = input_paths(layout)
+    clear_outputs(layout, overwrite)
+    plan_path = layout.hidden_plan
     # Changed inputs or settings since the plan was made: one error asking for --overwrite.
-    stage_manifest(cfg, info).begin(overwrite, outputs=[hidden_dir / INDEX_NAME], started=plan_path.is_file())
-    plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, plan_path)
-    good = verified_shards(cfg, hidden_dir, plan)
+    stage_manifest(cfg, info).begin(overwrite, outputs=[layout.hidden_index], started=plan_path.is_file())
+    plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, layout)
+    good = verified_shards(cfg, layout, plan)
     todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
-    header = _header(cfg, info, plan)
+    header = _header(cfg, plan)
     if not todo:
         index = build_index(header, plan["shards"], good)
-        if not (hidden_dir / INDEX_NAME).is_file() or read_json(hidden_dir / INDEX_NAME) != index:
-            atomic_write_json(hidden_dir / INDEX_NAME, index)
-        for frag in hidden_dir.glob("index.rank-*.json"):
+        if not layout.hidden_index.is_file() or read_json(layout.hidden_index) != index:
+            write_index(layout.hidden_index, index)
+        for frag in layout.index_fragments():
             frag.unlink(missing_ok=True)
         return {"status": "complete", "plan": plan, "entries": good, "todo": [], "header": header}
-    check_disk_for(cfg, hidden_dir, plan, header, todo)
-    atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], good))
+    check_disk_for(cfg, layout, plan, header, todo)
+    write_index(layout.hidden_index, build_index(header, plan["shards"], good))
     return {"status": "todo", "plan": plan, "entries": good, "todo": todo, "header": header}
 
 
-def clear_outputs(hidden_dir: Path, overwrite: bool) -> None:
+def clear_outputs(layout: Layout, overwrite: bool) -> None:
     """--overwrite: remove everything 02 wrote; always: temp files a killed run left behind."""
+    hidden_dir = layout.hidden
     if overwrite and hidden_dir.exists():
-        for p in list(hidden_dir.glob("shard-*.safetensors")) + list(hidden_dir.glob("index*.json")) + [hidden_dir / PLAN_NAME]:
+        for p in layout.shard_files() + [layout.hidden_index, *layout.index_fragments(), layout.hidden_plan]:
             p.unlink(missing_ok=True)
     hidden_dir.mkdir(parents=True, exist_ok=True)
     for tmp in hidden_dir.glob(".tmp-*"):  # never visible under a final name
@@ -466,13 +308,14 @@ def clear_outputs(hidden_dir: Path, overwrite: bool) -> None:
 
 def load_plan(cfg, plan_path: Path) -> dict:
     plan = read_json(plan_path)
+    check_format_version(plan, plan_path)
     if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
         log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
                     "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
     return plan
 
 
-def make_plan(cfg, info, paths: dict[str, Path], plan_path: Path) -> dict:
+def make_plan(cfg, info, paths: dict[str, Path], layout: Layout) -> dict:
     """Check every sample and fix which samples go in which shard, before the first forward pass."""
     max_pos = _max_positions(info)
     scans = [scan_split(p, split, info.vocab_size, max_pos, cfg.target.model) for split, p in paths.items()]
@@ -486,17 +329,17 @@ def make_plan(cfg, info, paths: dict[str, Path], plan_path: Path) -> dict:
         "format_version": FORMAT_VERSION,
         "settings": _settings(cfg, info),
         "batch_max_tokens": cfg.extract.batch_max_tokens,
-        "inputs": {scan.split: {"file": f"data/{scan.path.name}", "sha256": scan.sha256, "num_samples": len(scan.samples),
+        "inputs": {scan.split: {"file": layout.name(scan.path), "sha256": scan.sha256, "num_samples": len(scan.samples),
                                 "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
-        "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens),
+        "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens, layout),
     }
-    atomic_write_json(plan_path, plan)
+    atomic_write_json(layout.hidden_plan, plan)
     return plan
 
 
-def verified_shards(cfg, hidden_dir: Path, plan: dict) -> dict[str, dict]:
+def verified_shards(cfg, layout: Layout, plan: dict) -> dict[str, dict]:
     """The index entries of the planned shards that are on disk and sound (extract.verify)."""
-    entries = read_entries(hidden_dir)
+    entries = read_entries(layout.hidden_index, layout.index_fragments())
     planned = {s["file"]: s for s in plan["shards"]}
     good: dict[str, dict] = {}
     to_hash = sum(e.get("bytes") or 0 for n, e in entries.items() if n in planned) if cfg.extract.verify == "sha256" else 0
@@ -505,7 +348,8 @@ def verified_shards(cfg, hidden_dir: Path, plan: dict) -> dict[str, dict]:
             if name not in planned:
                 continue
             same_samples = entry.get("sample_ids") == planned[name]["sample_ids"] and entry.get("split") == planned[name]["split"]
-            problem = verify_entry(hidden_dir, entry, cfg.extract.verify, bar.update) if same_samples else "recorded for other samples"
+            problem = (verify_entry(layout.hidden / name, entry, cfg.extract.verify, bar.update) if same_samples
+                       else "recorded for other samples")
             if problem:
                 print(f"02_extract_hidden: {name} is {problem}; recomputing it", flush=True)
             else:
@@ -513,7 +357,7 @@ def verified_shards(cfg, hidden_dir: Path, plan: dict) -> dict[str, dict]:
     return good
 
 
-def check_disk_for(cfg, hidden_dir: Path, plan: dict, header: dict, todo: list[str]) -> None:
+def check_disk_for(cfg, layout: Layout, plan: dict, header: dict, todo: list[str]) -> None:
     """What the remaining shards need on disk, said and checked before any forward pass."""
     per_token = header["bytes_per_token"]
     shards_by_name = {s["file"]: s for s in plan["shards"]}
@@ -521,9 +365,9 @@ def check_disk_for(cfg, hidden_dir: Path, plan: dict, header: dict, todo: list[s
     needed = tokens * per_token + sum(8 * (shards_by_name[f]["num_samples"] + 1) + 1024 for f in todo)
     s = plan["settings"]
     print(f"02_extract_hidden: {len(todo)}/{len(plan['shards'])} shards to write, {tokens:,} tokens x {per_token:,} B/token "
-          f"(({len(s['aux_layer_ids'])} aux + final) x H {s['target_hidden_size']} x {dtype_bytes(s['dtype'])} B + 9 B ids/mask) "
-          f"= {format_bytes(needed)} needed", flush=True)
-    check_disk_space(hidden_dir, needed, cfg.extract.min_free_disk_gb)
+          f"(({len(s['aux_layer_ids'])} aux + final) x H {s['target_hidden_size']} x {dtype_bytes(s['dtype'])} B + "
+          f"{ID_MASK_BYTES} B ids/mask) = {format_bytes(needed)} needed", flush=True)
+    check_disk_space(layout.hidden, needed, cfg.extract.min_free_disk_gb)
 
 
 def run_extraction(cfg, overwrite: bool = False) -> dict:
@@ -531,18 +375,18 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     from common.core.distributed import barrier, broadcast_object, close_distributed, init_distributed
     from common.target.loading import load_target_info, torch_dtype
 
-    input_paths(Path(cfg.run_dir))  # a missing train.jsonl is reported before any heavy import
-    info = load_target_info(cfg)
-    _validate_aux_ids(info.aux_layer_ids)
+    layout = Layout.of(cfg)
+    input_paths(layout)  # a missing train.jsonl is reported before any heavy import
+    info = load_target_info(cfg)  # resolves and checks target.aux_layer_ids (range, distinct, ascending)
     _warn_vllm_limits(info)
-    hidden_dir = Path(cfg.run_dir) / "hidden"
+    hidden_dir = layout.hidden
     # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
     env = init_distributed("gloo", timeout=datetime.timedelta(days=7))
     try:
         _check_parallelism(cfg, info, env)
         setup: dict | str
         try:
-            setup = prepare(cfg, info, hidden_dir, overwrite) if env.is_main else None
+            setup = prepare(cfg, info, layout, overwrite) if env.is_main else None
         except PipelineError as e:
             setup = f"{type(e).__name__}:{e}"
             if not env.distributed:
@@ -560,20 +404,19 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                 stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
             return {"status": "complete", **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 
-        def owner(f: str) -> int:
-            return int(f[len("shard-"):-len(".safetensors")]) % env.world_size
-
-        mine = [f for f in setup["todo"] if owner(f) == env.rank]
-        rounds = max(sum(owner(f) == r for f in setup["todo"]) for r in range(env.world_size))
-        summary = _extract_shards(cfg, info, hidden_dir, plan, header, mine, setup["entries"], env,
+        # shard k (plan order, the file Layout.shard(k)) goes to rank k % world_size
+        owner = {s["file"]: k % env.world_size for k, s in enumerate(plan["shards"])}
+        mine = [f for f in setup["todo"] if owner[f] == env.rank]
+        rounds = max(sum(owner[f] == r for f in setup["todo"]) for r in range(env.world_size))
+        summary = _extract_shards(cfg, info, layout, plan, header, mine, setup["entries"], env,
                                   torch_dtype(cfg.extract.dtype), rounds)
         barrier(env)
         if env.is_main:
-            entries = read_entries(hidden_dir)
+            entries = read_entries(layout.hidden_index, layout.index_fragments())
             index = build_index(header, plan["shards"], entries)
-            atomic_write_json(hidden_dir / INDEX_NAME, index)
+            write_index(layout.hidden_index, index)
             if index["complete"]:
-                for frag in hidden_dir.glob("index.rank-*.json"):
+                for frag in layout.index_fragments():
                     frag.unlink(missing_ok=True)
             print(f"02_extract_hidden: {'done' if index['complete'] else 'INCOMPLETE'}: {index['num_shards']}/{index['num_planned_shards']} "
                   f"shards, {index['num_tokens']:,} tokens (train {index['splits']['train']['num_samples']} / eval "
@@ -588,7 +431,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
         close_distributed(env)
 
 
-def open_extractor(cfg, info, hidden_dir: Path, env: DistEnv, out_dtype):
+def open_extractor(cfg, info, layout: Layout, env: DistEnv, out_dtype):
     """The backend that runs the target: HfExtractor, or VllmExtractor (common/extract/vllm_backend.py)."""
     from common.extract.hf_backend import HfExtractor
     from common.extract.vllm_backend import VllmExtractor, resolve_backend
@@ -599,7 +442,7 @@ def open_extractor(cfg, info, hidden_dir: Path, env: DistEnv, out_dtype):
               f"expert parallel {cfg.extract.enable_expert_parallel})" if backend == "vllm" else ""), flush=True)
     if backend == "hf":
         return HfExtractor(cfg, info, env, out_dtype)
-    return VllmExtractor(cfg, info, out_dtype, hidden_dir, dp_rank=env.rank, dp_size=env.world_size)
+    return VllmExtractor(cfg, info, out_dtype, layout.vllm_requests(env.rank), dp_rank=env.rank, dp_size=env.world_size)
 
 
 def _check_parallelism(cfg, info, env: DistEnv) -> None:
@@ -617,13 +460,13 @@ def _check_parallelism(cfg, info, env: DistEnv) -> None:
             f"set --set extract.data_parallel_size={env.world_size}, or run one process (TP/EP come from extract.tensor_parallel_size)")
 
 
-def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
+def _extract_shards(cfg, info, layout: Layout, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
                     env: DistEnv, out_dtype, rounds: int | None = None) -> dict:
     """Extract this process's shards. rounds: how many shards the busiest rank has (vLLM data-parallel
     engines step together, so a rank with fewer joins the remaining rounds with a dummy request)."""
-    extractor = open_extractor(cfg, info, hidden_dir, env, out_dtype)
+    extractor = open_extractor(cfg, info, layout, env, out_dtype)
     placement = getattr(extractor, "placement", "vllm")
-    paths = {split: Path(cfg.run_dir) / "data" / f"{split}.jsonl" for split in plan["inputs"]}
+    paths = {split: layout.split_jsonl(split) for split in plan["inputs"]}
     shards = {s["file"]: s for s in plan["shards"]}
     entries = dict(done)  # this process's view; rank 0 also sees the others' fragments when merging
     my_entries: dict[str, dict] = {}
@@ -635,18 +478,15 @@ def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine:
 
     def finish(name: str, samples: list[dict], batches: list[dict]) -> None:
         # Runs in the writer thread: write the shard, then record it (index only after the rename).
-        shard = shards[name]
-        written = write_shard(hidden_dir / name, samples, batches)
-        entry = {"file": name, "split": shard["split"], "num_samples": shard["num_samples"],
-                 "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
+        entry = shard_entry(shards[name], write_shard(layout.hidden / name, samples, batches))
         my_entries[name] = entry
         entries[name] = entry
         if env.distributed:
-            atomic_write_json(hidden_dir / fragment_name(env.rank), {"rank": env.rank, "shards": list(my_entries.values())})
+            write_fragment(layout.index_fragment(env.rank), env.rank, list(my_entries.values()))
         if env.is_main:
-            merged = {**read_entries(hidden_dir), **entries} if env.distributed else entries
-            atomic_write_json(hidden_dir / INDEX_NAME, build_index(header, plan["shards"], merged))
-        stats["bytes"] += written["bytes"]
+            merged = {**read_entries(layout.hidden_index, layout.index_fragments()), **entries} if env.distributed else entries
+            write_index(layout.hidden_index, build_index(header, plan["shards"], merged))
+        stats["bytes"] += entry["bytes"]
         bar.set_postfix_str(f"{format_bytes(stats['bytes'])} written", refresh=False)
 
     def tick(n: int) -> None:
@@ -655,7 +495,7 @@ def _extract_shards(cfg, info, hidden_dir: Path, plan: dict, header: dict, mine:
 
     start = time.perf_counter()
     pending = None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-writer") as writer:
         try:
             for name in mine:
                 shard = shards[name]

@@ -77,7 +77,8 @@ def rms_norm(x, weight, eps: float, out_dtype):
 class VllmExtractor:
     """One vLLM engine on the target; `extract(samples)` returns per-sample {"aux", "final"} on CPU."""
 
-    def __init__(self, cfg, info, out_dtype, hidden_dir: Path, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(self, cfg, info, out_dtype, requests_dir: Path, dp_rank: int = 0, dp_size: int = 1):
+        """requests_dir: where the KV connector writes each finished request's states (Layout.vllm_requests)."""
         import torch
 
         from common.target.loading import load_target_tensors
@@ -88,7 +89,7 @@ class VllmExtractor:
         self.ids = list(info.aux_layer_ids) + [info.num_layers]
         self.dp_size = dp_size
         # The connector's per-request files, each removed as soon as it is read.
-        self.requests_dir = requests_dir = hidden_dir / f"vllm-requests.rank-{dp_rank:05d}.tmp"
+        self.requests_dir = requests_dir
         shutil.rmtree(requests_dir, ignore_errors=True)  # left by a killed run
         requests_dir.mkdir(parents=True)
         norm = load_target_tensors(cfg.target.model, kinds=("final_norm",))["final_norm"]

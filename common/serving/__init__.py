@@ -1,1 +1,1 @@
-"""serving"""
+"""Talking to vLLM: starting and stopping a server, and the one chat client of 01b and 05."""

@@ -34,6 +34,8 @@ from typing import Any, Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.core.errors import PipelineError
+from common.core.run_folder import Layout
+from common.serving.chat import server_root
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -122,7 +124,7 @@ class VllmServer:
             reasoning_parser=s.reasoning_parser,
             extra_args=s.extra_args,
             startup_timeout_s=s.startup_timeout_s,
-            log_path=cfg.run_path / "logs" / "vllm_server.log",
+            log_path=Layout.of(cfg).log("vllm_server"),
         )
         kwargs.update(overrides)
         return cls(model or cfg.target.model, **kwargs)
@@ -279,9 +281,7 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
 
 def scrape_metrics(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> dict[str, list[tuple[dict, float]]]:
     """GET {server root}/metrics and parse it. `url` may be the root or the .../v1 base URL."""
-    root = url.rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
+    root = server_root(url)
     try:
         code, body = _http_get(root + "/metrics", timeout=timeout, api_key=api_key)
     except OSError as e:

@@ -12,9 +12,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.core.errors import ConfigError, DataError
+
+if TYPE_CHECKING:  # torch is imported where tensors are read
+    import torch
 
 
 @dataclass

@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import random
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,9 +31,9 @@ from torch import nn
 
 from common.core.distributed import DistEnv, barrier, broadcast_object
 from common.core.errors import DataError, PipelineError
+from common.core.run_folder import Layout
 from common.core.io import file_sha256, fsync_dir, iter_jsonl, write_jsonl_atomic
 
-CKPT_RE = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
 
@@ -42,18 +41,6 @@ REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
 def frozen_names(draft: nn.Module) -> set[str]:
     """The frozen target embedding (and any other frozen weight): never checkpointed."""
     return {n for n, p in draft.named_parameters() if not p.requires_grad}
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every step-N directory, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    out = []
-    for p in ckpt_dir.iterdir():
-        m = CKPT_RE.match(p.name)
-        if m and p.is_dir():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
 
 
 def _sd_options(**kw):
@@ -104,7 +91,7 @@ def set_rng_state(state: dict) -> None:
 # Saving
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, env: DistEnv, keep: int,
+def save_checkpoint(layout: Layout, step: int, draft, optimizer, state: dict, env: DistEnv, keep: int,
                     rank_state: Optional[dict] = None) -> Optional[Path]:
     """Every rank calls this (FSDP gathers are collective). Atomic: temp dir, then rename.
     rank_state: this rank's extra state (plain tensors/numbers), stored next to its RNG state."""
@@ -112,8 +99,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, en
 
     model_sd = full_model_state(draft)
     optim_sd = full_optimizer_state(draft, optimizer)
-    final = ckpt_dir / f"step-{step}"
-    tmp = ckpt_dir / f".tmp-step-{step}"
+    final, tmp, ckpt_dir = layout.checkpoint(step), layout.checkpoint_tmp(step), layout.checkpoints
     with writing(f"checkpoint {final}", tmp, ckpt_dir):
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -133,7 +119,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, en
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(ckpt_dir)
-            for _, old in list_checkpoints(ckpt_dir)[:-keep]:
+            for _, old in layout.checkpoint_dirs()[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier(env)
     return final
@@ -229,13 +215,13 @@ def load_checkpoint(path: Path, draft, optimizer, env: DistEnv) -> dict:
     return state
 
 
-def load_latest(ckpt_dir: Path, draft, optimizer, env: DistEnv) -> Optional[tuple[Path, dict]]:
+def load_latest(layout: Layout, draft, optimizer, env: DistEnv) -> Optional[tuple[Path, dict]]:
     """Load the newest intact checkpoint into draft and optimizer; (its path, its state), or None.
 
     A damaged or unreadable newer checkpoint is reported on stderr and removed (training redoes
     its steps from the previous one, exactly). Rank 0 checks the files; every rank loads the same one.
     """
-    for _, path in reversed(list_checkpoints(ckpt_dir)):
+    for _, path in reversed(layout.checkpoint_dirs()):
         problem = broadcast_object(checkpoint_problem(path) if env.is_main else None, env)
         if problem is None:
             try:
@@ -267,10 +253,9 @@ def truncate_metrics(path: Path, last_step: int) -> int:
     return len(rows) - len(keep)
 
 
-def clean_train_dir(train_dir: Path) -> None:
+def clean_train_dir(layout: Layout) -> None:
     """--overwrite: remove everything stage 04 wrote."""
-    for name in ("checkpoints", "tb", "final", ".tmp-final", "metrics.jsonl", "eval_report.json"):
-        p = train_dir / name
+    for p in layout.train_outputs():
         if p.is_dir():
             shutil.rmtree(p)
         elif p.exists():

@@ -1,16 +1,17 @@
 """Training data for stage 04: hidden-state shards -> packed micro-batches.
 
-Stage 02 writes `hidden/shard-NNNNN.safetensors` (one row per token, samples back to back,
-`sample_offsets` marks where each sample starts) and `hidden/index.json`. Here we:
+Stage 02 writes the shards and their index; common.hidden.shards owns that format. There,
+`HiddenIndex.load` verifies the index (readable format_version, complete, every shard present and
+readable, sizes consistent) and lists every sample with its shard, row range and split
+(`SampleRef`), and `ShardReader` reads samples' rows. Here we:
 
-1. verify the index (complete, every shard present and readable, sizes consistent) and
-   list every sample with its shard, row range and split (`HiddenIndex.load`);
+1. take the train (or eval) samples of that index;
 2. pack samples into micro-batches of at most `batch_max_tokens` tokens, one packed row per
    micro-batch (`pack_micro_batches`): a seeded permutation per epoch (seed + epoch), then
    best-fit-decreasing within windows of that permutation, then a seeded shuffle of the
    micro-batches. Same inputs -> same micro-batches, on any number of processes;
-3. read a micro-batch lazily (safetensors `safe_open`, one slice per sample and tensor) and
-   cast the hidden states to the training dtype (`ShardReader`, `MicroBatch`).
+3. read a micro-batch lazily through `ShardReader` (one slice per sample and tensor) and cast
+   the hidden states to the training dtype (`MicroBatchReader`, `MicroBatch`).
 
 Data position and multiple processes. The packed micro-batches of an epoch form one global
 sequence. An optimizer step consumes `world * grad_accum` consecutive micro-batches of it;
@@ -28,164 +29,14 @@ import bisect
 import collections
 import concurrent.futures
 import math
-import threading
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from common.core.errors import DataError
-from common.core.io import read_json
-
-RERUN_02 = "rerun 02_extract_hidden.py (it rebuilds missing or incomplete shards)"
-SHARD_KEYS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets")
-SPLITS = ("train", "eval")
-
-
-@dataclass
-class ShardInfo:
-    file: str
-    path: Path
-    num_tokens: int
-    sample_ids: list[str]
-
-
-@dataclass
-class SampleRef:
-    shard: int  # index into HiddenIndex.shards
-    start: int  # first row in the shard
-    end: int  # one past the last row
-    sample_id: str
-    split: str
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class HiddenIndex:
-    """hidden/index.json, verified against the shard files."""
-
-    hidden_dir: Path
-    aux_layer_ids: list[int]
-    target_hidden_size: int
-    num_target_layers: Optional[int]
-    dtype: str
-    shards: list[ShardInfo]
-    samples: list[SampleRef]
-    raw: dict = field(repr=False, default_factory=dict)
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.aux_layer_ids)
-
-    def split_indices(self, split: str) -> list[int]:
-        return [i for i, s in enumerate(self.samples) if s.split == split]
-
-    def fingerprint(self) -> list:
-        """What identifies the data set (for checkpoint compatibility checks)."""
-        return [self.aux_layer_ids, [(s.file, s.num_tokens, s.sample_ids[:1], len(s.sample_ids)) for s in self.shards]]
-
-    @classmethod
-    def load(cls, hidden_dir: str | Path) -> "HiddenIndex":
-        hidden_dir = Path(hidden_dir)
-        index_path = hidden_dir / "index.json"
-        if not index_path.is_file():
-            raise DataError(f"no hidden-state index at {index_path}; run 02_extract_hidden.py first")
-        raw = read_json(index_path)
-        if not raw.get("complete", False):
-            raise DataError(f"{index_path} says the extraction is incomplete (complete=false); {RERUN_02}")
-        for key in ("aux_layer_ids", "target_hidden_size", "shards"):
-            if key not in raw:
-                raise DataError(f"{index_path} has no '{key}' field; {RERUN_02} with --overwrite")
-        aux_ids = [int(k) for k in raw["aux_layer_ids"]]
-        h_t = int(raw["target_hidden_size"])
-        shards: list[ShardInfo] = []
-        samples: list[SampleRef] = []
-        for si, entry in enumerate(raw["shards"]):
-            path = hidden_dir / entry["file"]
-            ids = [str(x) for x in entry.get("sample_ids", [])]
-            info = ShardInfo(entry["file"], path, int(entry.get("num_tokens", -1)), ids)
-            offsets = _verify_shard(info, len(aux_ids), h_t)
-            split = entry.get("split")  # 02 keeps train and eval samples in separate shards
-            if split not in SPLITS:
-                raise DataError(f"index entry for {path} has split {split!r}, expected train or eval; {RERUN_02} with --overwrite")
-            for j, sid in enumerate(ids):
-                start, end = int(offsets[j]), int(offsets[j + 1])
-                if end <= start:
-                    raise DataError(f"hidden shard {path}: sample '{sid}' has no tokens (offsets {start}..{end}); {RERUN_02} with --overwrite")
-                samples.append(SampleRef(si, start, end, sid, split))
-            shards.append(info)
-        if not samples:
-            raise DataError(f"{index_path} lists no samples; check data/train.jsonl and {RERUN_02}")
-        return cls(hidden_dir, aux_ids, h_t, raw.get("num_target_layers"), str(raw.get("dtype", "")), shards, samples, raw)
-
-
-def _verify_shard(info: ShardInfo, num_aux: int, h_t: int) -> np.ndarray:
-    """Open the shard header (cheap: no tensor data is read except sample_offsets) and check it."""
-    from safetensors import safe_open
-
-    path = info.path
-    if not path.is_file():
-        raise DataError(f"hidden shard {path} is missing; {RERUN_02}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            missing = [k for k in SHARD_KEYS if k not in keys]
-            if missing:
-                raise DataError(f"hidden shard {path} lacks tensors {missing}; {RERUN_02} with --overwrite")
-            offsets = f.get_tensor("sample_offsets").numpy()
-            shapes = {k: list(f.get_slice(k).get_shape()) for k in SHARD_KEYS}
-    except DataError:
-        raise
-    except Exception as e:  # SafetensorError: truncated file, bad header
-        raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); delete it and {RERUN_02}") from None
-    n = int(offsets[-1]) if len(offsets) else -1
-    if len(offsets) != len(info.sample_ids) + 1 or offsets[0] != 0:
-        raise DataError(
-            f"hidden shard {path} has {len(offsets) - 1} samples but index.json lists {len(info.sample_ids)}; {RERUN_02} with --overwrite"
-        )
-    if info.num_tokens >= 0 and n != info.num_tokens:
-        raise DataError(f"hidden shard {path} holds {n} tokens but index.json says {info.num_tokens}; {RERUN_02} with --overwrite")
-    want = {"input_ids": [n], "loss_mask": [n], "aux_hidden": [n, num_aux * h_t], "final_hidden": [n, h_t]}
-    for k, shape in want.items():
-        if shapes[k] != shape:
-            raise DataError(
-                f"hidden shard {path}: '{k}' has shape {shapes[k]}, expected {shape} "
-                f"({num_aux} aux layers x hidden {h_t}); {RERUN_02} with --overwrite"
-            )
-    info.num_tokens = n
-    return offsets
-
-
-def verify_shard_files(index: HiddenIndex, layout, env, mode: str = "sha256") -> None:
-    """Check every shard's bytes against the size and sha256 02 recorded in index.json (mode
-    "size": sizes only, extract.verify), so a shard damaged after extraction stops 04 with one line
-    instead of training on bad bytes. Ranks share the hashing; results are cached by (size, mtime)
-    in run_dir/stages/hashes.json, so a resumed run does not read the shards again."""
-    from tqdm import tqdm
-
-    from common.core.run_folder import content_fingerprint
-
-    entries = index.raw.get("shards") or []
-    mine = [e for i, e in enumerate(entries) if i % env.world_size == env.rank]
-    total = sum(int(e.get("bytes") or 0) for e in mine)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="04 verify shards", disable=not env.is_main or mode != "sha256",
-              mininterval=1.0) as bar:
-        for entry in mine:
-            path = index.hidden_dir / entry["file"]
-            want_bytes, want_sha = entry.get("bytes"), entry.get("sha256")
-            size = path.stat().st_size
-            if want_bytes is not None and size != want_bytes:
-                raise DataError(f"hidden shard {path} has {size} bytes but 02 wrote {want_bytes} (truncated or overwritten); {RERUN_02}")
-            if mode == "sha256" and want_sha and content_fingerprint(layout, path) != want_sha:
-                raise DataError(f"hidden shard {path} does not match the sha256 02 recorded in index.json (the file was "
-                                f"damaged after extraction); {RERUN_02}")
-            bar.update(size)
-
+from common.hidden.shards import HiddenIndex, ShardReader
 
 # ---------------------------------------------------------------------------------------
 # Packing
@@ -276,68 +127,38 @@ class MicroBatch:
         )
 
 
-class ShardReader:
-    """Reads samples from the shards lazily; keeps up to `max_open` shards open (LRU)."""
+class MicroBatchReader:
+    """Reads micro-batches: the samples' rows (common.hidden.shards.ShardReader) packed into one row,
+    the hidden states cast to the training dtype, position ids restarting at each sample."""
 
     def __init__(self, index: HiddenIndex, dtype: torch.dtype = torch.float32, max_open: int = 32, pin_memory: bool = False):
         self.index = index
         self.dtype = dtype
-        self.max_open = max_open
         self.pin_memory = pin_memory
-        self._open: collections.OrderedDict[int, object] = collections.OrderedDict()
-        self._lock = threading.Lock()  # prefetch threads share the handle cache
-
-    def _handle(self, shard: int):
-        with self._lock:
-            return self._handle_locked(shard)
-
-    def _handle_locked(self, shard: int):
-        from safetensors import safe_open
-
-        h = self._open.get(shard)
-        if h is not None:
-            self._open.move_to_end(shard)
-            return h
-        path = self.index.shards[shard].path
-        try:
-            h = safe_open(str(path), framework="pt")
-        except FileNotFoundError:
-            raise DataError(f"hidden shard {path} disappeared during training; {RERUN_02}") from None
-        except Exception as e:
-            raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); delete it and {RERUN_02}") from None
-        self._open[shard] = h
-        if len(self._open) > self.max_open:
-            self._open.popitem(last=False)
-        return h
+        self.shards = ShardReader(index, max_open=max_open)
 
     def loss_positions(self, i: int) -> int:
-        ref = self.index.samples[i]
-        if ref.length < 3:
+        """Positions of sample i with a step-0 loss: the t with loss_mask[t+2] == 1."""
+        if self.index.samples[i].length < 3:
             return 0
-        return int(self._handle(ref.shard).get_slice("loss_mask")[ref.start + 2 : ref.end].sum())
+        return int(self.shards.rows(i, "loss_mask", skip=2).sum())
 
     def read(self, sample_indices: list[int]) -> MicroBatch:
-        parts = {k: [] for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
-        seq_lens, ids = [], []
-        for i in sample_indices:
-            ref = self.index.samples[i]
-            h = self._handle(ref.shard)
-            for k in parts:
-                parts[k].append(h.get_slice(k)[ref.start : ref.end])
-            seq_lens.append(ref.length)
-            ids.append(ref.sample_id)
-        aux = torch.cat(parts["aux_hidden"]).to(self.dtype)
-        final = torch.cat(parts["final_hidden"]).to(self.dtype)
+        rows = self.shards.read(sample_indices)
+        refs = [self.index.samples[i] for i in sample_indices]
+        seq_lens = [ref.length for ref in refs]
+        aux = rows["aux_hidden"].to(self.dtype)
+        final = rows["final_hidden"].to(self.dtype)
         if self.pin_memory:
             aux, final = aux.pin_memory(), final.pin_memory()
         return MicroBatch(
-            input_ids=torch.cat(parts["input_ids"]).long(),
-            loss_mask=torch.cat(parts["loss_mask"]).long(),
+            input_ids=rows["input_ids"].long(),
+            loss_mask=rows["loss_mask"].long(),
             aux_hidden=aux,
             final_hidden=final,
             position_ids=torch.cat([torch.arange(n, dtype=torch.long) for n in seq_lens]),
             seq_lens=seq_lens,
-            sample_ids=ids,
+            sample_ids=[ref.sample_id for ref in refs],
         )
 
 
@@ -387,7 +208,7 @@ class TrainData:
         self.index = index
         self.samples = index.split_indices(split)
         if not self.samples:
-            raise DataError(f"no '{split}' samples in {index.hidden_dir / 'index.json'}; check data/{split}.jsonl and rerun 02")
+            raise DataError(f"no '{split}' samples in {index.path}; check data/{split}.jsonl and rerun 02")
         self.lengths = np.array([index.samples[i].length for i in self.samples], dtype=np.int64)
         self.budget = batch_max_tokens
         self.seed = seed
@@ -396,7 +217,7 @@ class TrainData:
         self.grad_accum = grad_accum
         self.window = window
         self.num_workers = num_workers
-        self.reader = ShardReader(index, dtype=dtype, pin_memory=pin_memory)
+        self.reader = MicroBatchReader(index, dtype=dtype, pin_memory=pin_memory)
         self._loss_positions = np.full(len(index.samples), -1, dtype=np.int64)  # filled lazily
         self._epochs: dict[int, list[list[int]]] = {}
         self._epoch_sizes: dict[int, int] = {}

@@ -8,17 +8,18 @@ from pathlib import Path
 
 from common.core.distributed import DistEnv, barrier
 from common.core.io import atomic_write_json, fsync_dir
+from common.core.run_folder import Layout
 from common.model.draft import DraftModelConfig, Eagle3DraftModel
 from common.model.export import export_vllm_draft
 from common.train.checkpoint import full_model_state, writing
 
 
-def export_final(cfg, env: DistEnv, draft, draft_cfg: DraftModelConfig, index, train_dir: Path, summary: dict) -> None:
+def export_final(parallel: str, env: DistEnv, draft, draft_cfg: DraftModelConfig, index, layout: Layout, summary: dict) -> None:
     """04's train/final/: the vLLM-loadable draft + training_summary.json, written by rank 0 under a
     temp name and renamed. Every rank calls it (under FSDP gathering the weights is collective)."""
-    full = full_model_state(draft) if (env.distributed and cfg.train.parallel == "fsdp") else None  # collective
-    tmp, final = train_dir / ".tmp-final", train_dir / "final"
-    with writing(f"the final draft {final}", tmp, train_dir):
+    full = full_model_state(draft) if (env.distributed and parallel == "fsdp") else None  # collective
+    tmp, final = layout.final_tmp, layout.final
+    with writing(f"the final draft {final}", tmp, layout.train):
         _export_on_main(env, draft, draft_cfg, index, summary, full, tmp, final)
     barrier(env)
 

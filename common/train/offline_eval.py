@@ -11,7 +11,8 @@ from torch import nn
 
 from common.model.acceptance import ReplayTotals, product_formula
 from common.core.distributed import DistEnv, NamedSums, all_reduce_sum
-from common.train.data import HiddenIndex, eval_micro_batches
+from common.hidden.shards import HiddenIndex
+from common.train.data import eval_micro_batches
 from common.model.ttt import ttt_loss
 
 

@@ -23,9 +23,8 @@ def build_optimizer(model: nn.Module, lr: float, betas, weight_decay: float, for
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), foreach=foreach)
 
 
-def lr_at(step: int, total: int, cfg) -> float:
-    """Linear warmup over warmup_ratio * total steps, then cosine from lr down to min_lr."""
-    t = cfg.train
+def lr_at(step: int, total: int, t) -> float:
+    """Linear warmup over warmup_ratio * total steps, then cosine from lr down to min_lr (t: the train section)."""
     warmup = int(math.ceil(t.warmup_ratio * total))
     if step < warmup:
         return t.lr * (step + 1) / warmup

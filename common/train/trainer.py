@@ -39,7 +39,6 @@ import json
 import random
 import shutil
 import time
-from pathlib import Path
 from typing import Callable, ContextManager, Optional
 
 import numpy as np
@@ -53,6 +52,7 @@ from common.core.distributed import (DistEnv, NamedSums, barrier, broadcast_obje
                                 wrap_parallel)
 from common.train.offline_eval import evaluate
 from common.model.draft import Eagle3DraftModel, build_draft_config
+from common.model.draft_vocab import load_vocab_map
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.train.export import export_final
 from common.core.io import JsonlAppender, atomic_write_json, read_json
@@ -60,9 +60,9 @@ from common.target.loading import load_target_info, load_target_tensors
 from common.train.optim import build_optimizer, lr_at, set_lr
 from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
-from common.train.data import DataPosition, HiddenIndex, TrainData, verify_shard_files
+from common.train.data import DataPosition, TrainData
+from common.hidden.shards import HiddenIndex, verify_shard_files
 from common.model.ttt import ttt_loss
-from common.vocab.vocab_map import MAP_NAME, load_vocab_map
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def run_training(cfg, overwrite: bool = False) -> int:
         return Trainer(cfg, env).run(overwrite)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise PipelineError(f"cannot write under {Path(cfg.run_dir) / 'train'}: {e.strerror}; free disk space and rerun: "
+            raise PipelineError(f"cannot write under {Layout.of(cfg).train}: {e.strerror}; free disk space and rerun: "
                                 f"training resumes from the last complete checkpoint") from None
         raise
     finally:
@@ -106,16 +106,14 @@ class Trainer:
 
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env, self.t = cfg, env, cfg.train
-        layout = Layout.of(cfg)
-        self.train_dir, self.ckpt_dir, self.metrics_path = layout.train, layout.checkpoints, layout.metrics
+        self.layout = layout = Layout.of(cfg)
 
         # Inputs, validated before anything is written.
-        run_dir = Path(cfg.run_dir)
-        self.index = HiddenIndex.load(run_dir / "hidden")
+        self.index = HiddenIndex.load(layout.hidden_index)
         self.info = load_target_info(cfg)
         if list(self.info.aux_layer_ids) != list(self.index.aux_layer_ids):
             raise ConfigError(
-                f"the hidden states in {run_dir / 'hidden'} were extracted at aux layers {self.index.aux_layer_ids} but the "
+                f"the hidden states in {layout.hidden} were extracted at aux layers {self.index.aux_layer_ids} but the "
                 f"config resolves target.aux_layer_ids to {self.info.aux_layer_ids}; rerun 02_extract_hidden.py --overwrite "
                 f"(or fix target.aux_layer_ids)"
             )
@@ -124,7 +122,7 @@ class Trainer:
                 f"hidden states have width {self.index.target_hidden_size} but target.model has hidden size "
                 f"{self.info.hidden_size}; they come from another model: rerun 02_extract_hidden.py --overwrite"
             )
-        self.d2t, self.t2d = load_vocab_map(run_dir / "vocab" / MAP_NAME, self.info.vocab_size, cfg.vocab.draft_vocab_size)
+        self.d2t, self.t2d = load_vocab_map(layout.vocab_map, self.info.vocab_size, cfg.vocab.draft_vocab_size)
         self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
 
         self.dtype, self.autocast = resolve_precision(cfg, env.device)
@@ -189,7 +187,7 @@ class Trainer:
         self.window = NamedSums(loss=1, tokens=1, step_losses=K, step_correct=K, step_counts=K)
         self.window_steps, self.window_time = 0, 0.0
         self.last_eval = None
-        latest = load_latest(self.ckpt_dir, self.draft, self.optimizer, self.env)  # skips damaged ones
+        latest = load_latest(self.layout, self.draft, self.optimizer, self.env)  # skips damaged ones
         if latest is not None:
             path, state = latest
             if state.get("fingerprint") != self.fingerprint:
@@ -210,10 +208,10 @@ class Trainer:
                 self.say(f"04_train: note: the global batch changed from {state.get('global_micro_batches')} to "
                          f"{self.data.micro_per_step} micro-batches per step")
         if self.env.is_main:
-            dropped = truncate_metrics(self.metrics_path, self.step)
+            dropped = truncate_metrics(self.layout.metrics, self.step)
             if dropped:
                 self.say(f"04_train: dropped {dropped} metrics lines after step {self.step} (they are recomputed)")
-            report = self.train_dir / "eval_report.json"
+            report = self.layout.train_eval_report
             if report.is_file() and read_json(report).get("step") == self.step:
                 self.last_eval = read_json(report)
         barrier(self.env)
@@ -224,15 +222,15 @@ class Trainer:
         env, t = self.env, self.t
         status = self.check_outputs(overwrite)
         if status == "complete":
-            self.say(f"04_train: already complete ({self.total_steps} steps, draft in {self.train_dir / 'final'}); nothing to do "
+            self.say(f"04_train: already complete ({self.total_steps} steps, draft in {self.layout.final}); nothing to do "
                      f"(use --overwrite to retrain)")
             if env.is_main:
                 self.manifest.record("already_complete")
             return 0
-        verify_shard_files(self.index, Layout.of(self.cfg), env, self.cfg.extract.verify)
+        verify_shard_files(self.index, self.layout, env, self.cfg.extract.verify)
         if env.is_main:
-            self.train_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.ckpt_dir.glob(".tmp-step-*") if self.ckpt_dir.is_dir() else []:
+            self.layout.train.mkdir(parents=True, exist_ok=True)
+            for stale in self.layout.checkpoint_tmps():
                 shutil.rmtree(stale, ignore_errors=True)
         barrier(env)
 
@@ -244,8 +242,8 @@ class Trainer:
             f"{env.world_size} process(es) x grad_accum {t.grad_accum}, {self.total_steps} steps, "
             f"{str(self.dtype).replace('torch.', '')} on {env.device.type}, parallel={t.parallel if env.distributed else 'none'}"
         )
-        self.metrics = JsonlAppender(self.metrics_path, fsync_every=1) if env.is_main else None
-        self.tb = TensorBoard(self.train_dir / "tb", env.is_main, purge_step=self.step + 1 if self.step else None)
+        self.metrics = JsonlAppender(self.layout.metrics, fsync_every=1) if env.is_main else None
+        self.tb = TensorBoard(self.layout.tensorboard, env.is_main, purge_step=self.step + 1 if self.step else None)
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not env.is_main, dynamic_ncols=True, desc="04_train")
         self.t_start = time.time()
         self.batches = self.data.stream(self.pos, self.total_steps - self.step)
@@ -276,11 +274,10 @@ class Trainer:
         if self.env.is_main:
             try:
                 if overwrite:
-                    clean_train_dir(self.train_dir)
-                layout = Layout.of(self.cfg)
+                    clean_train_dir(self.layout)
+                layout = self.layout
                 self.manifest = StageManifest(
-                    layout, "04_train",
-                    inputs={"hidden/index.json": layout.hidden_index, "vocab/vocab_map.safetensors": layout.vocab_map},
+                    layout, "04_train", inputs=layout.named(layout.hidden_index, layout.vocab_map),
                     settings={"target_model": self.cfg.target.model, "draft": dataclasses.asdict(self.draft_cfg),
                               "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed})
                 decision = self.manifest.begin(overwrite, outputs=[layout.final],
@@ -308,7 +305,7 @@ class Trainer:
     def train_step(self) -> None:
         t, env, K = self.t, self.env, self.K
         t0 = time.perf_counter()
-        lr = lr_at(self.step, self.total_steps, self.cfg)
+        lr = lr_at(self.step, self.total_steps, self.t)
         set_lr(self.optimizer, lr)
         mine, next_pos = self.data.step_micro_batches(self.pos)
         self.tokens_seen += self.data.step_tokens(self.pos)
@@ -374,7 +371,7 @@ class Trainer:
         report = {"type": "eval", "step": self.step, **report}
         if self.env.is_main:
             self.metrics.write(report)
-            atomic_write_json(self.train_dir / "eval_report.json", report)
+            atomic_write_json(self.layout.train_eval_report, report)
             self.tb.scalars(self.step, {"eval/loss": report["loss"], **{f"eval/acc_{i}": a for i, a in enumerate(report["step_acc"])},
                                         **{f"eval/tau_{k}": v for k, v in report["tau"].items()},
                                         **{f"eval/replay_al_{k}": r["acceptance_length"] for k, r in report["replay"].items()}})
@@ -392,7 +389,7 @@ class Trainer:
             "global_micro_batches": self.data.micro_per_step, "last_train_loss": self.last_train_loss,
         }
         rank_state = {"log_window": self.window.flat.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
-        save_checkpoint(self.ckpt_dir, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state)
+        save_checkpoint(self.layout, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state)
 
     def finish(self) -> None:
         elapsed = self.elapsed()
@@ -404,9 +401,9 @@ class Trainer:
             "aux_layer_ids": self.index.aux_layer_ids, "draft_config": dataclasses.asdict(self.draft_cfg),
             "config": self.cfg.to_dict(),
         }
-        export_final(self.cfg, self.env, self.draft, self.draft_cfg, self.index, self.train_dir, summary)
+        export_final(self.t.parallel, self.env, self.draft, self.draft_cfg, self.index, self.layout, summary)
         if self.env.is_main:
             tau_txt = describe_acceptance(self.last_eval or {}, self.shown_ks)
             self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "
                      f"({self.tokens_seen / max(1e-9, elapsed):.0f} tok/s), final loss {self.last_train_loss:.4f}; {tau_txt}; "
-                     f"draft in {self.train_dir / 'final'}")
+                     f"draft in {self.layout.final}")

@@ -1,1 +1,1 @@
-"""vocab"""
+"""Stage 03: the draft vocabulary chosen from the training data."""

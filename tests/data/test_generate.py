@@ -37,15 +37,14 @@ from common.core.config import load_config
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.data.generate import (
     MISSING_TOKEN_IDS,
-    MalformedResponse,
     MissingTokenIds,
     backoff_delay,
     classify,
     load_done,
-    parse_completion,
     run_stage,
 )
 from common.core.io import iter_jsonl
+from common.serving.chat import MalformedResponse
 from common.target.tokenization import load_tokenizer
 
 SECRET = "sk-test-DO-NOT-LEAK-5f3a9c"
@@ -173,30 +172,6 @@ def test_backoff_full_jitter_bounds():
         delays = [backoff_delay(attempt, 0.01, 0.5, rng) for _ in range(200)]
         assert all(0.0 <= d <= cap for d in delays)
         assert max(delays) > 0.5 * cap  # full jitter spreads over the whole range
-
-
-def test_parse_completion_reads_both_reasoning_fields_and_rejects_malformed():
-    from openai.types.chat import ChatCompletion
-
-    def completion(message):
-        return ChatCompletion.model_validate({
-            "id": "x", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
-        })
-
-    a = parse_completion(completion({"role": "assistant", "content": "C", "reasoning": "R"}))
-    b = parse_completion(completion({"role": "assistant", "content": "C", "reasoning_content": "R"}))
-    c = parse_completion(completion({"role": "assistant", "content": None}))
-    assert a == b == {"reasoning": "R", "content": "C", "finish_reason": "stop",
-                      "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
-    assert (c["reasoning"], c["content"]) == ("", "")
-    with pytest.raises(MalformedResponse, match="not JSON"):
-        parse_completion("<html>oops</html>")
-    empty = completion({"role": "assistant", "content": "C"})
-    empty.choices = []
-    with pytest.raises(MalformedResponse, match="no choices"):
-        parse_completion(empty)
 
 
 def test_load_done_dedupes_and_cuts_torn_tail(tmp_path):
@@ -449,21 +424,7 @@ def test_sigterm_stops_cleanly_with_130(run_dir, write_config, chat_tokenizer_di
 # ----------------------------------------------------------------------------- token ids from the server
 
 
-def test_parse_completion_reads_vllm_token_ids():
-    from openai.types.chat import ChatCompletion
-
-    def completion(**extra):
-        choice = {"index": 0, "message": {"role": "assistant", "content": "C"}, "finish_reason": "stop"}
-        choice |= {k: v for k, v in extra.items() if k == "token_ids"}
-        body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-        return ChatCompletion.model_validate(body | {k: v for k, v in extra.items() if k != "token_ids"})
-
-    out = parse_completion(completion(prompt_token_ids=[1, 2, 3], token_ids=[7, 8]))
-    assert out["prompt_token_ids"] == [1, 2, 3] and out["completion_token_ids"] == [7, 8]
-    assert "prompt_token_ids" not in parse_completion(completion()) and "completion_token_ids" not in parse_completion(completion())
-    with pytest.raises(MalformedResponse, match="token_ids is not a list of integers"):
-        parse_completion(completion(prompt_token_ids=[1, 2], token_ids=["a"]))
+def test_missing_token_ids_is_not_retryable():
     f = classify(MissingTokenIds(MISSING_TOKEN_IDS))
     assert not f.retryable and "needs vLLM >= 0.10 or set tokenize.token_ids_from=template" in f.reason
 
@@ -613,7 +574,8 @@ def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, w
     template is fine for others): skipped and counted, not a stop of the whole tokenization."""
     from conftest import PROMPT_ENDS_MID_WORD_TEMPLATE
 
-    from common.data.generate import Paths, tokenize_outputs
+    from common.core.run_folder import Layout
+    from common.data.generate import tokenize_outputs
 
     tok_dir = build_chat_tokenizer(tmp_path / "tok", PROMPT_ENDS_MID_WORD_TEMPLATE)
     cfg = load_config(config(write_config, "http://127.0.0.1:9/v1", tok_dir))
@@ -622,6 +584,6 @@ def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, w
     done = {"ok": {"messages": [user, {"role": "assistant", "content": " 42."}]},
             "merges": {"messages": [user, {"role": "assistant", "content": "nswer to turn 1"}]}}
     (run_dir / "data").mkdir()
-    counts = tokenize_outputs(cfg, Paths.of(cfg), prompts, done, load_tokenizer(str(tok_dir)))
+    counts = tokenize_outputs(cfg, Layout.of(cfg), prompts, done, load_tokenizer(str(tok_dir)))
     assert counts["train"] == 1 and counts["skipped"] == {"token_boundary_merge": 1}
     assert [r["id"] for r in rows_of(run_dir / "data" / "train.jsonl")] == ["ok"]

@@ -18,7 +18,8 @@ import pytest
 from conftest import REPO, stage_env
 
 from common.core.errors import PipelineError
-from common.data.generate import normalize_turn, parse_completion
+from common.data.generate import normalize_turn
+from common.serving.chat import parse_completion
 from common.core.io import iter_jsonl
 from common.target.tokenization import load_tokenizer, tokenize_conversation
 from common.serving.vllm_server import VllmServer, metrics_delta, parse_prometheus, spec_decode_metrics

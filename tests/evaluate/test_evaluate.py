@@ -384,3 +384,20 @@ def test_replay_served_needs_token_ids_from_the_server(run_env):
     requests = run_env.started[0]["server"].requests
     assert len(requests) == 1 + 4  # warm-up + the held-out prompts (no other set configured)
     assert all(body.get("return_token_ids") is True for body in requests)
+
+
+def test_requests_carry_generate_extra_body_like_01b(run_env):
+    """05 sends 01b's request body (common.serving.chat): generate.extra_body and enable_thinking
+    reach every request, with and without the draft; a changed extra_body is a new baseline."""
+    tree = run_env.cfg.to_dict()
+    extra = {"top_k": 1, "chat_template_kwargs": {"custom": "x"}}
+    cfg = config_from_dict({**tree, "generate": {**tree["generate"], "extra_body": extra, "enable_thinking": False}})
+    assert evaluate.run_stage(cfg) == 0
+    requests = [body for s in run_env.started for body in s["server"].requests]
+    assert len(requests) == 2 * (1 + 4)  # draft and target alone: warm-up + the held-out prompts
+    for body in requests:
+        assert body["top_k"] == 1 and body["chat_template_kwargs"] == {"custom": "x", "enable_thinking": False}
+        assert "return_token_ids" not in body and "top_p" not in body and body["temperature"] == 0.0
+    assert evaluate.cached_baseline(cfg) is not None
+    other = config_from_dict({**tree, "generate": {**tree["generate"], "extra_body": {"top_k": 2}, "enable_thinking": False}})
+    assert evaluate.cached_baseline(other) is None

@@ -18,18 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.core.config import config_from_dict
 from common.core.errors import ConfigError, DataError
 from common.extract.hf_backend import make_batches
-from common.extract.stage import (
-    bytes_per_token,
-    check_disk_space,
-    run_extraction,
-    write_safetensors,
-)
+from common.extract.stage import check_disk_space, run_extraction
+from common.hidden.shards import bytes_per_token
 from tests.helpers import REPO, VOCAB, build_target, write_yaml
 
 PYTHON = sys.executable
@@ -197,21 +192,6 @@ def test_kimi_bytes_per_token_and_batches():
     for lo, hi in batches:
         assert (hi - lo) * max(lengths[lo:hi]) <= 160
     assert make_batches([500, 20], 160) == [(0, 1), (1, 2)]  # one over-budget sample gets its own batch
-
-
-def test_write_safetensors_round_trip(tmp_path):
-    a = torch.randn(5, 3).to(torch.bfloat16)
-    b = torch.arange(7, dtype=torch.int64)
-    path = tmp_path / "x.safetensors"
-    sha, size = write_safetensors(path, [("a", [a[:2], a[2:]]), ("b", [b]), ("m", [torch.ones(3, dtype=torch.uint8)])])
-    assert size == path.stat().st_size
-    import hashlib
-
-    assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
-    loaded = load_file(path)
-    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b) and loaded["m"].tolist() == [1, 1, 1]
-    with safe_open(str(path), framework="pt") as f:
-        assert f.metadata() == {"format": "pt"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_lr_schedule_warmup_then_cosine():
     from common.train.optim import lr_at
 
     cfg = config_from_dict({"train": {"lr": 1e-3, "min_lr": 1e-4, "warmup_ratio": 0.1}})
-    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    lrs = [lr_at(s, 100, cfg.train) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)  # 10 warmup steps
     assert lrs[10] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
@@ -72,9 +72,11 @@ def test_packing_is_deterministic_budgeted_and_complete():
 
 def test_rank_schedule_matches_grad_accum(hidden_run):
     """1 process x grad_accum 2 and 2 processes x grad_accum 1 consume the same global batches."""
-    from common.train.data import DataPosition, HiddenIndex, TrainData
+    from common.core.run_folder import Layout
+    from common.hidden.shards import HiddenIndex
+    from common.train.data import DataPosition, TrainData
 
-    index = HiddenIndex.load(Path(yaml.safe_load(hidden_run.read_text())["run_dir"]) / "hidden")
+    index = HiddenIndex.load(Layout.of(yaml.safe_load(hidden_run.read_text())["run_dir"]).hidden_index)
     single = TrainData(index, 256, seed=0, world_size=1, rank=0, grad_accum=2)
     ranks = [TrainData(index, 256, seed=0, world_size=2, rank=r, grad_accum=1) for r in (0, 1)]
     assert single.steps_in_epoch(0) == ranks[0].steps_in_epoch(0)
@@ -93,13 +95,15 @@ def test_rank_schedule_matches_grad_accum(hidden_run):
 def test_micro_batch_contents_match_shards(hidden_run):
     from safetensors.torch import load_file
 
-    from common.train.data import HiddenIndex, ShardReader
+    from common.core.run_folder import Layout
+    from common.hidden.shards import HiddenIndex
+    from common.train.data import MicroBatchReader
 
     run_dir = Path(yaml.safe_load(hidden_run.read_text())["run_dir"])
-    index = HiddenIndex.load(run_dir / "hidden")
+    index = HiddenIndex.load(Layout.of(run_dir).hidden_index)
     assert index.aux_layer_ids == AUX_IDS
     assert len(index.split_indices("train")) == 64 and len(index.split_indices("eval")) == 16
-    reader = ShardReader(index, dtype=torch.float32)
+    reader = MicroBatchReader(index, dtype=torch.float32)
     picks = [0, 5, len(index.samples) - 1]
     mb = reader.read(picks)
     assert mb.aux_hidden.dtype == torch.float32 and mb.num_tokens == sum(mb.seq_lens)

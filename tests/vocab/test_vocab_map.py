@@ -12,7 +12,8 @@ import torch
 
 from common.core.config import config_from_dict
 from common.core.errors import DataError
-from common.vocab.vocab_map import build_mappings, load_vocab_map, run_vocab_map, select_draft_vocab
+from common.model.draft_vocab import build_mappings, load_vocab_map
+from common.vocab.vocab_map import run_vocab_map, select_draft_vocab
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable

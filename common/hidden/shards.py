@@ -1,0 +1,446 @@
+"""The hidden-state shard format: the one module that writes, reads and verifies it.
+
+Stage 02 (common/extract/stage.py) writes it, stage 04 (common/train/data.py) reads it; both take their
+paths from common.core.run_folder.Layout, this module takes paths. Under run_dir/hidden/
+(docs/design.md#artifact-formats), one row per token:
+
+    Layout.shard(k)           a safetensors file, the samples of the shard back to back (TENSORS):
+        input_ids       int64 [N]
+        loss_mask       uint8 [N]
+        aux_hidden      [N, n_aux*H_t]  extract.dtype; the aux states concatenated in aux_layer_ids order
+        final_hidden    [N, H_t]        extract.dtype; the final-norm output = input of the target lm_head
+        sample_offsets  int64 [n_samples+1]; sample i is rows offsets[i]:offsets[i+1]
+    Layout.hidden_index       format_version, the settings (aux_layer_ids, target_hidden_size,
+                              num_target_layers, dtype, ...), "complete", per-split counts, and one entry
+                              per written shard (file, split, num_samples, num_tokens, sha256, bytes,
+                              num_loss_tokens, sample_ids in shard order)
+    Layout.index_fragment(r)  under torchrun, rank r's entries; rank 0 merges them into the index
+
+What is here:
+- names and arithmetic: FORMAT_VERSION (written), READ_VERSIONS (read), SPLITS, TENSORS, bytes_per_token;
+- writing: write_shard (atomic, hashed while written by the streaming write_safetensors), shard_entry,
+  index_header, build_index, write_index, write_fragment;
+- reading the index: read_entries (index.json + rank fragments, for 02's resume), check_format_version,
+  HiddenIndex.load (04: complete, readable version, every shard's header checked) and ShardReader (samples'
+  rows, lazily, via safetensors safe_open);
+- verification: verify_entry (02's rerun: a reason or None) and verify_shard_files (04's start: one-line
+  DataError).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+from common.core.errors import DataError, PipelineError
+from common.core.io import atomic_path, atomic_write_json, file_sha256, read_json
+
+if TYPE_CHECKING:  # torch is imported only when shards are written or read (02's --help stays fast)
+    import numpy as np
+    import torch
+
+    from common.core.distributed import DistEnv
+    from common.core.run_folder import Layout
+
+log = logging.getLogger("shards")
+
+FORMAT_VERSION = 1  # what write_* produce
+READ_VERSIONS = (1,)  # what HiddenIndex.load and read_entries accept
+SPLITS = ("train", "eval")
+TENSORS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets")
+ROW_TENSORS = TENSORS[:4]  # one row per token (sample_offsets is per sample)
+ID_MASK_BYTES = 8 + 1  # int64 input_ids + uint8 loss_mask per token
+RERUN_02 = "rerun 02_extract_hidden.py (it rebuilds missing or incomplete shards)"
+
+
+def dtype_bytes(name: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: the aux states, the final state, input id and loss mask."""
+    return (num_aux + 1) * hidden_size * dtype_bytes(dtype) + ID_MASK_BYTES
+
+
+def check_format_version(doc: dict, path: Path) -> None:
+    """A one-line DataError unless `doc` (index.json or plan.json) is in a format this code reads."""
+    found = doc.get("format_version") if isinstance(doc, dict) else None
+    if type(found) is not int or found not in READ_VERSIONS:
+        readable = ", ".join(str(v) for v in READ_VERSIONS)
+        raise DataError(
+            f"{path} has hidden-state format_version {json.dumps(found)}, this code reads format_version {readable}; "
+            f"rerun 02_extract_hidden.py with --overwrite to rewrite the hidden states in format {FORMAT_VERSION} "
+            f"(or use the pipeline version that wrote them)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing shards: a streaming safetensors writer that hashes while it writes.
+# ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"int64": "I64", "uint8": "U8", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, list]]) -> tuple[str, int]:
+    """Write [(name, [chunk, ...])] as one safetensors file, each tensor = its chunks along dim 0.
+
+    Streams chunk by chunk (no concatenated copy of a multi-GB shard) and returns (sha256, size).
+    Loadable by safetensors.safe_open / load_file; byte-identical for identical inputs.
+    """
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, chunks in tensors:
+        first = chunks[0]
+        rows = sum(c.shape[0] for c in chunks)
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        header[name] = {"dtype": _ST_DTYPES[str(first.dtype).replace("torch.", "")], "shape": [rows, *first.shape[1:]],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for block in (struct.pack("<Q", len(text)), text):
+            f.write(block)
+            digest.update(block)
+        for _, chunks in tensors:
+            for c in chunks:
+                raw = c.contiguous().view(torch.uint8).numpy()  # reinterpret (bf16 has no numpy dtype)
+                f.write(raw.data)
+                digest.update(raw.data)
+        f.flush()
+    return digest.hexdigest(), 8 + len(text) + offset
+
+
+def write_shard(final_path: Path, samples: list[dict], batches: list[dict]) -> dict:
+    """Write one shard atomically from its samples (shard order: each {"input_ids", "loss_mask"}) and
+    their states, a list of batches {"aux": [n, n_aux*H_t], "final": [n, H_t]} whose rows follow the
+    samples' tokens. Returns {"sha256", "bytes", "num_loss_tokens"}."""
+    import torch
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int64)
+    loss_mask = torch.tensor([int(m) for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
+    tensors = [
+        ("input_ids", [input_ids]),
+        ("loss_mask", [loss_mask]),
+        ("aux_hidden", [b["aux"] for b in batches]),
+        ("final_hidden", [b["final"] for b in batches]),
+        ("sample_offsets", [offsets]),
+    ]
+    rows = sum(b["aux"].shape[0] for b in batches)
+    if rows != int(offsets[-1]):
+        raise PipelineError(f"internal error: {rows} hidden-state rows for {int(offsets[-1])} tokens in {final_path.name}")
+    with atomic_path(final_path) as tmp:
+        sha, size = write_safetensors(tmp, tensors)
+    return {"sha256": sha, "bytes": size, "num_loss_tokens": int(loss_mask.sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# The index: one entry per written shard, merged from index.json and per-rank fragments.
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_entry(shard: dict, written: dict) -> dict:
+    """The index entry of a written shard: its plan record ({"file", "split", "num_samples",
+    "num_tokens", "sample_ids", ...}) and what write_shard returned."""
+    return {"file": shard["file"], "split": shard["split"], "num_samples": shard["num_samples"],
+            "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
+
+
+def index_header(settings: dict, target_model: str, inputs: dict) -> dict:
+    """index.json's fields before the shard list: the format version and the settings that shaped the
+    states (settings: aux_layer_ids, num_target_layers, target_hidden_size, vocab_size, model_type,
+    dtype, target_dtype); inputs: the tokenized files they were made from."""
+    s = settings
+    return {
+        "format_version": FORMAT_VERSION,
+        "aux_layer_ids": s["aux_layer_ids"],
+        "num_target_layers": s["num_target_layers"],
+        "target_hidden_size": s["target_hidden_size"],
+        "vocab_size": s["vocab_size"],
+        "model_type": s["model_type"],
+        "dtype": s["dtype"],
+        "target_dtype": s["target_dtype"],
+        "target_model": target_model,
+        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"]),
+        "inputs": inputs,
+    }
+
+
+def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict]) -> dict:
+    """index.json: the header, the planned shards that have entries (plan order), per-split counts."""
+    shards = [entries[s["file"]] for s in plan_shards if s["file"] in entries]
+    complete = len(shards) == len(plan_shards)
+    splits = {}
+    for split in SPLITS:
+        mine = [s for s in shards if s["split"] == split]
+        splits[split] = {"num_shards": len(mine), "num_samples": sum(s["num_samples"] for s in mine),
+                         "num_tokens": sum(s["num_tokens"] for s in mine)}
+    return {**header, "complete": complete, "num_shards": len(shards), "num_planned_shards": len(plan_shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards), "num_samples": sum(s["num_samples"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
+
+
+def write_index(index_path: Path, index: dict) -> None:
+    atomic_write_json(index_path, index)
+
+
+def write_fragment(fragment_path: Path, rank: int, entries: list[dict]) -> None:
+    """One rank's entries under torchrun (rank 0 merges the fragments with read_entries)."""
+    atomic_write_json(fragment_path, {"rank": rank, "shards": entries})
+
+
+def read_entries(index_path: Path, fragment_paths: Iterable[Path] = ()) -> dict[str, dict]:
+    """Shard entries recorded so far, from index.json and any rank fragments (union by file).
+
+    An unreadable file is skipped with a warning (its shards get verified again or recomputed); an
+    index.json in a format this code does not read is a DataError (check_format_version)."""
+    entries: dict[str, dict] = {}
+    for src in [index_path, *fragment_paths]:
+        if not src.is_file():
+            continue
+        try:
+            doc = json.loads(src.read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            log.warning("%s is unreadable; the shards it listed will be verified again or recomputed", src)
+            continue
+        if src == index_path:
+            check_format_version(doc, src)
+        for e in doc.get("shards", []):
+            entries[e["file"]] = e
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification of the bytes on disk against the index
+# ---------------------------------------------------------------------------------------------
+
+
+def verify_entry(shard_path: Path, entry: dict, mode: str, progress: Callable[[int], Any] | None = None) -> str | None:
+    """None if the shard on disk matches its entry, else why not (02's rerun). mode: extract.verify;
+    progress(n): n more bytes hashed."""
+    if not shard_path.is_file():
+        return "missing"
+    size = shard_path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"size {size} != {entry.get('bytes')} bytes (truncated or overwritten)"
+    if mode == "sha256" and file_sha256(shard_path, progress=progress) != entry["sha256"]:
+        return "sha256 mismatch (corrupted)"
+    return None
+
+
+def verify_shard_files(index: "HiddenIndex", layout: "Layout", env: "DistEnv", mode: str = "sha256") -> None:
+    """Check every shard's bytes against the size and sha256 02 recorded in index.json (mode
+    "size": sizes only, extract.verify), so a shard damaged after extraction stops 04 with one line
+    instead of training on bad bytes. Ranks share the hashing; results are cached by (size, mtime)
+    in run_dir/stages/hashes.json, so a resumed run does not read the shards again."""
+    from tqdm import tqdm
+
+    from common.core.run_folder import content_fingerprint
+
+    mine = [s for i, s in enumerate(index.shards) if i % env.world_size == env.rank]
+    total = sum(s.bytes or 0 for s in mine)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="04 verify shards", disable=not env.is_main or mode != "sha256",
+              mininterval=1.0) as bar:
+        for shard in mine:
+            path = shard.path
+            size = path.stat().st_size
+            if shard.bytes is not None and size != shard.bytes:
+                raise DataError(f"hidden shard {path} has {size} bytes but 02 wrote {shard.bytes} (truncated or overwritten); {RERUN_02}")
+            if mode == "sha256" and shard.sha256 and content_fingerprint(layout, path) != shard.sha256:
+                raise DataError(f"hidden shard {path} does not match the sha256 02 recorded in index.json (the file was "
+                                f"damaged after extraction); {RERUN_02}")
+            bar.update(size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: the index with every shard's header checked, and samples' rows on demand
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    path: Path
+    num_tokens: int
+    sample_ids: list[str]
+    bytes: Optional[int] = None  # as 02 recorded them (verify_shard_files)
+    sha256: Optional[str] = None
+
+
+@dataclass
+class SampleRef:
+    """Where one sample's rows are: a shard and a row range in it."""
+
+    shard: int  # index into HiddenIndex.shards
+    start: int  # first row in the shard
+    end: int  # one past the last row
+    sample_id: str
+    split: str
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class HiddenIndex:
+    """hidden/index.json, verified against the shard files."""
+
+    path: Path  # the index.json it was loaded from; shard files are next to it
+    aux_layer_ids: list[int]
+    target_hidden_size: int
+    num_target_layers: Optional[int]
+    dtype: str
+    shards: list[ShardInfo]
+    samples: list[SampleRef]
+    raw: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def split_indices(self, split: str) -> list[int]:
+        return [i for i, s in enumerate(self.samples) if s.split == split]
+
+    def fingerprint(self) -> list:
+        """What identifies the data set (for checkpoint compatibility checks)."""
+        return [self.aux_layer_ids, [(s.file, s.num_tokens, s.sample_ids[:1], len(s.sample_ids)) for s in self.shards]]
+
+    @classmethod
+    def load(cls, index_path: str | Path) -> "HiddenIndex":
+        """Read index.json (Layout.hidden_index): complete, in a readable format_version, and every
+        shard's header consistent with its entry (cheap: only sample_offsets is read)."""
+        index_path = Path(index_path)
+        if not index_path.is_file():
+            raise DataError(f"no hidden-state index at {index_path}; run 02_extract_hidden.py first")
+        raw = read_json(index_path)
+        check_format_version(raw, index_path)
+        if not raw.get("complete", False):
+            raise DataError(f"{index_path} says the extraction is incomplete (complete=false); {RERUN_02}")
+        for key in ("aux_layer_ids", "target_hidden_size", "shards"):
+            if key not in raw:
+                raise DataError(f"{index_path} has no '{key}' field; {RERUN_02} with --overwrite")
+        aux_ids = [int(k) for k in raw["aux_layer_ids"]]
+        h_t = int(raw["target_hidden_size"])
+        shards: list[ShardInfo] = []
+        samples: list[SampleRef] = []
+        for si, entry in enumerate(raw["shards"]):
+            path = index_path.parent / entry["file"]
+            ids = [str(x) for x in entry.get("sample_ids", [])]
+            info = ShardInfo(entry["file"], path, int(entry.get("num_tokens", -1)), ids, entry.get("bytes"), entry.get("sha256"))
+            offsets = check_shard_header(info, len(aux_ids), h_t)
+            split = entry.get("split")  # 02 keeps train and eval samples in separate shards
+            if split not in SPLITS:
+                raise DataError(f"index entry for {path} has split {split!r}, expected train or eval; {RERUN_02} with --overwrite")
+            for j, sid in enumerate(ids):
+                start, end = int(offsets[j]), int(offsets[j + 1])
+                if end <= start:
+                    raise DataError(f"hidden shard {path}: sample '{sid}' has no tokens (offsets {start}..{end}); {RERUN_02} with --overwrite")
+                samples.append(SampleRef(si, start, end, sid, split))
+            shards.append(info)
+        if not samples:
+            raise DataError(f"{index_path} lists no samples; check data/train.jsonl and {RERUN_02}")
+        return cls(index_path, aux_ids, h_t, raw.get("num_target_layers"), str(raw.get("dtype", "")), shards, samples, raw)
+
+
+def check_shard_header(info: ShardInfo, num_aux: int, h_t: int) -> "np.ndarray":
+    """Open the shard header (cheap: no tensor data is read except sample_offsets) and check it
+    against its index entry; returns sample_offsets. Sets info.num_tokens from the file."""
+    from safetensors import safe_open
+
+    path = info.path
+    if not path.is_file():
+        raise DataError(f"hidden shard {path} is missing; {RERUN_02}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            missing = [k for k in TENSORS if k not in keys]
+            if missing:
+                raise DataError(f"hidden shard {path} lacks tensors {missing}; {RERUN_02} with --overwrite")
+            offsets = f.get_tensor("sample_offsets").numpy()
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in TENSORS}
+    except DataError:
+        raise
+    except Exception as e:  # SafetensorError: truncated file, bad header
+        raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); delete it and {RERUN_02}") from None
+    n = int(offsets[-1]) if len(offsets) else -1
+    if len(offsets) != len(info.sample_ids) + 1 or offsets[0] != 0:
+        raise DataError(
+            f"hidden shard {path} has {len(offsets) - 1} samples but index.json lists {len(info.sample_ids)}; {RERUN_02} with --overwrite"
+        )
+    if info.num_tokens >= 0 and n != info.num_tokens:
+        raise DataError(f"hidden shard {path} holds {n} tokens but index.json says {info.num_tokens}; {RERUN_02} with --overwrite")
+    want = {"input_ids": [n], "loss_mask": [n], "aux_hidden": [n, num_aux * h_t], "final_hidden": [n, h_t]}
+    for k, shape in want.items():
+        if shapes[k] != shape:
+            raise DataError(
+                f"hidden shard {path}: '{k}' has shape {shapes[k]}, expected {shape} "
+                f"({num_aux} aux layers x hidden {h_t}); {RERUN_02} with --overwrite"
+            )
+    info.num_tokens = n
+    return offsets
+
+
+class ShardReader:
+    """Reads samples' rows from the shards of a HiddenIndex lazily (safetensors safe_open, one slice
+    per sample and tensor, in the stored dtypes); keeps up to `max_open` shards open (LRU). Safe to
+    share between threads."""
+
+    def __init__(self, index: HiddenIndex, max_open: int = 32):
+        self.index = index
+        self.max_open = max_open
+        self._open: collections.OrderedDict[int, object] = collections.OrderedDict()
+        self._lock = threading.Lock()  # prefetch threads share the handle cache
+
+    def _handle(self, shard: int):
+        with self._lock:
+            return self._handle_locked(shard)
+
+    def _handle_locked(self, shard: int):
+        from safetensors import safe_open
+
+        h = self._open.get(shard)
+        if h is not None:
+            self._open.move_to_end(shard)
+            return h
+        path = self.index.shards[shard].path
+        try:
+            h = safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            raise DataError(f"hidden shard {path} disappeared during training; {RERUN_02}") from None
+        except Exception as e:
+            raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); delete it and {RERUN_02}") from None
+        self._open[shard] = h
+        if len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+        return h
+
+    def rows(self, i: int, name: str, skip: int = 0) -> "torch.Tensor":
+        """Sample i's rows of tensor `name` (one of ROW_TENSORS), from its `skip`-th row on."""
+        ref = self.index.samples[i]
+        return self._handle(ref.shard).get_slice(name)[ref.start + skip : ref.end]
+
+    def read(self, sample_indices: list[int], names: tuple[str, ...] = ROW_TENSORS) -> dict[str, "torch.Tensor"]:
+        """The rows of these samples back to back, per tensor (in the stored dtypes)."""
+        import torch
+
+        parts: dict[str, list] = {k: [] for k in names}
+        for i in sample_indices:
+            ref = self.index.samples[i]
+            h = self._handle(ref.shard)
+            for k in parts:
+                parts[k].append(h.get_slice(k)[ref.start : ref.end])
+        return {k: torch.cat(v) for k, v in parts.items()}
