@@ -20,9 +20,9 @@ def replay_on_token_ids(cfg, draft_dir, sequences: list[tuple[list[int], list[in
     """
     import torch
 
-    info = load_target_info(cfg)
+    info = load_target_info(cfg.target)
     device = choose_device(cfg.extract.device)
-    model, _ = load_target_model(cfg, device)
+    model, _ = load_target_model(cfg.target, device)
     stack = find_decoder_stack(model, info.num_layers)
     capture = HiddenStateCapture(stack, info.aux_layer_ids, torch.float32)
     target = load_target_tensors(cfg.target.model)

@@ -168,7 +168,9 @@ def _sha256_json(obj: Any) -> str:
 
 def draft_fingerprint(draft_dir: Path) -> str:
     """sha256 over the draft's weights files (model.safetensors, or every *.safetensors in order)."""
-    files = [draft_dir / "model.safetensors"] if (draft_dir / "model.safetensors").is_file() else sorted(draft_dir.glob("*.safetensors"))
+    from common.model.export import WEIGHTS_NAME  # imports torch: only when needed
+
+    files = [draft_dir / WEIGHTS_NAME] if (draft_dir / WEIGHTS_NAME).is_file() else sorted(draft_dir.glob("*.safetensors"))
     if not files:
         raise PipelineError(f"no model.safetensors in the draft directory {draft_dir}; run 04_train.py first (it writes train/final/)")
     if len(files) == 1:
@@ -521,7 +523,9 @@ def run_baseline_only(cfg: Config, layout: Layout, sets: dict[str, list[dict]], 
 
 def find_draft(cfg: Config, draft_dir: Optional[str]) -> Path:
     draft = Path(draft_dir) if draft_dir else Layout.of(cfg).final
-    if not (draft / "config.json").is_file():
+    from common.model.export import CONFIG_NAME
+
+    if not (draft / CONFIG_NAME).is_file():
         raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
     return draft
 

@@ -25,7 +25,7 @@ class HfExtractor:
 
     def __init__(self, cfg, info, env: DistEnv, out_dtype):
         device = choose_device(cfg.extract.device)
-        model, self.placement = load_target_model(cfg, device, env.local_rank, env.world_size)
+        model, self.placement = load_target_model(cfg.target, device, env.local_rank, env.world_size)
         self.stack = find_decoder_stack(model, info.num_layers)
         self.capture = HiddenStateCapture(self.stack, info.aux_layer_ids, out_dtype)
         self.batch_max_tokens = cfg.extract.batch_max_tokens

@@ -377,7 +377,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
 
     layout = Layout.of(cfg)
     input_paths(layout)  # a missing train.jsonl is reported before any heavy import
-    info = load_target_info(cfg)  # resolves and checks target.aux_layer_ids (range, distinct, ascending)
+    info = load_target_info(cfg.target)  # resolves and checks target.aux_layer_ids (range, distinct, ascending)
     _warn_vllm_limits(info)
     hidden_dir = layout.hidden
     # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.

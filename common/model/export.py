@@ -32,7 +32,7 @@ from common.model.draft import DraftModelConfig, Eagle3DraftModel
 from common.core.errors import DataError
 from common.core.io import fsync_dir
 
-WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # the files of an exported draft
 
 
 def has_vocab_map(config: DraftModelConfig) -> bool:
@@ -107,7 +107,7 @@ def export_vllm_draft(model: Eagle3DraftModel, out_dir, dtype: torch.dtype = tor
     config = model.config.to_vllm_config(torch_dtype=_dtype_name(dtype), **(extra_config or {}))
     tensors = _draft_state_dict(model, dtype, include_embedding)
     return _write_dir_atomically(Path(out_dir), {
-        "config.json": _json_writer(config),
+        CONFIG_NAME: _json_writer(config),
         WEIGHTS_NAME: _safetensors_writer(tensors),
     })
 
@@ -153,7 +153,7 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
     for name, tensor in _draft_state_dict(model, dtype, include_embedding).items():
         tensors["layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name] = tensor
     return _write_dir_atomically(Path(out_dir), {
-        "config.json": _json_writer(config),
+        CONFIG_NAME: _json_writer(config),
         WEIGHTS_NAME: _safetensors_writer(tensors),
     })
 
@@ -165,7 +165,7 @@ def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: tor
     from safetensors.torch import load_file
 
     path = Path(path)
-    config_path, weights_path = path / "config.json", path / WEIGHTS_NAME
+    config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
     for p in (config_path, weights_path):
         if not p.exists():
             raise DataError(f"{p} is missing; '{path}' is not an exported EAGLE-3 draft (run 04_train.py or re-export)")

@@ -132,14 +132,14 @@ def choose_device(want: str) -> str:
     return want
 
 
-def check_hf_fits(cfg, capacity_bytes: float, where: str) -> int:
+def check_hf_fits(target, capacity_bytes: float, where: str) -> int:
     """Refuse a target that transformers cannot hold: counts what it materialises (quantized -> dtype)."""
     from common.target.loading import materialized_bytes
 
-    need, how = materialized_bytes(cfg.target.model, cfg.target.dtype)
+    need, how = materialized_bytes(target.model, target.dtype)
     if need > capacity_bytes:
         raise ConfigError(
-            f"target.model '{cfg.target.model}' takes {format_bytes(need)} in transformers ({how}), more than the "
+            f"target.model '{target.model}' takes {format_bytes(need)} in transformers ({how}), more than the "
             f"{format_bytes(capacity_bytes)} of {where}; use --set extract.backend=vllm, which runs it as stored with "
             f"tensor/expert parallelism")
     return need
@@ -149,17 +149,17 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def load_target_model(cfg, device: str, local_rank: int = 0, world_size: int = 1):
-    """The target as AutoModelForCausalLM in cfg.target.dtype, placed as target.device_map says."""
+def load_target_model(target, device: str, local_rank: int = 0, world_size: int = 1):
+    """The target as AutoModelForCausalLM in target.dtype, placed as target.device_map says (target: the config section)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from common.target.loading import torch_dtype
 
-    kwargs: dict[str, Any] = {"dtype": torch_dtype(cfg.target.dtype), "trust_remote_code": cfg.target.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(target.dtype), "trust_remote_code": target.trust_remote_code}
     placement = "cpu"
     if device == "cuda":
-        device_map = cfg.target.device_map
+        device_map = target.device_map
         one_gpu = f"cuda:{local_rank}"
         if world_size > 1:
             if device_map not in ("auto", "single"):
@@ -167,24 +167,24 @@ def load_target_model(cfg, device: str, local_rank: int = 0, world_size: int = 1
             placement = one_gpu
         elif device_map == "auto":
             gpus = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-            need = check_hf_fits(cfg, 0.9 * sum(gpus), f"the {len(gpus)} visible GPUs (90%)")
+            need = check_hf_fits(target, 0.9 * sum(gpus), f"the {len(gpus)} visible GPUs (90%)")
             placement = one_gpu if need < 0.9 * gpus[0] or len(gpus) == 1 else "auto"
         else:
             placement = one_gpu if device_map == "single" else device_map
         if placement.startswith("cuda:"):
-            check_hf_fits(cfg, 0.9 * torch.cuda.get_device_properties(local_rank).total_memory, f"GPU {local_rank} (90%)")
+            check_hf_fits(target, 0.9 * torch.cuda.get_device_properties(local_rank).total_memory, f"GPU {local_rank} (90%)")
         torch.cuda.set_device(local_rank)
     else:
-        check_hf_fits(cfg, 0.9 * host_memory_bytes(), "this machine's memory (90%)")
+        check_hf_fits(target, 0.9 * host_memory_bytes(), "this machine's memory (90%)")
     if placement != "cpu" and not placement.startswith("cuda:"):
         kwargs["device_map"] = placement  # sharded over the visible GPUs
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.target.model, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(target.model, **kwargs)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load target.model '{cfg.target.model}': {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"cannot load target.model '{target.model}': {str(e).splitlines()[0]}") from None
     except Exception as e:  # safetensors' own error types on a truncated/corrupt shard
-        check_safetensors_readable(cfg.target.model)  # raises naming the bad file
-        raise DataError(f"cannot load target.model '{cfg.target.model}': {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        check_safetensors_readable(target.model)  # raises naming the bad file
+        raise DataError(f"cannot load target.model '{target.model}': {type(e).__name__}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(placement)
     model.eval()

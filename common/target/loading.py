@@ -82,13 +82,14 @@ def text_config_of(hf_config: Any) -> Any:
     return hf_config
 
 
-def load_target_info(cfg) -> TargetInfo:
+def load_target_info(target) -> TargetInfo:
+    """The target's sizes and aux layer ids, from its config (target: the config's target section)."""
     from transformers import AutoConfig
 
-    path = cfg.target.model
+    path = target.model
     _check_model_path(path)
     try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise ConfigError(
@@ -106,23 +107,12 @@ def load_target_info(cfg) -> TargetInfo:
         num_layers=num_layers,
         hidden_size=int(text.hidden_size),
         vocab_size=int(text.vocab_size),
-        aux_layer_ids=resolve_aux_layer_ids(cfg.target.aux_layer_ids, num_layers),
+        aux_layer_ids=resolve_aux_layer_ids(target.aux_layer_ids, num_layers),
         tie_word_embeddings=bool(
             getattr(text, "tie_word_embeddings", False) or getattr(hf_config, "tie_word_embeddings", False)
         ),
         text_config=text,
     )
-
-
-def load_tokenizer(cfg):
-    from transformers import AutoTokenizer
-
-    path = cfg.target.tokenizer or cfg.target.model
-    _check_model_path(path, "target.tokenizer" if cfg.target.tokenizer else "target.model")
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the tokenizer from '{path}': {e}") from None
 
 
 def _resolve_local_dir(path: str) -> Path:

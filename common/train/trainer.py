@@ -110,7 +110,7 @@ class Trainer:
 
         # Inputs, validated before anything is written.
         self.index = HiddenIndex.load(layout.hidden_index)
-        self.info = load_target_info(cfg)
+        self.info = load_target_info(cfg.target)
         if list(self.info.aux_layer_ids) != list(self.index.aux_layer_ids):
             raise ConfigError(
                 f"the hidden states in {layout.hidden} were extracted at aux layers {self.index.aux_layer_ids} but the "

@@ -73,7 +73,7 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
     if not train.is_file():
         raise DataError(f"{train} not found; run 01b_generate_synthetic.py first (it writes data/train.jsonl)")
     out_dir, map_path, report_path = layout.vocab, layout.vocab_map, layout.vocab_report
-    info = load_target_info(cfg)
+    info = load_target_info(cfg.target)
     vocab_size = info.vocab_size
     requested = cfg.vocab.draft_vocab_size
 

@@ -239,9 +239,9 @@ def test_hf_memory_check_counts_compressed_tensors_as_decompressed(tmp_path):
     assert need == 100 * 64 * 2 + 64 * 256 * 2 and need > 2 * stored
     assert how == "compressed-tensors int4 weights decompressed to bfloat16"
     cfg = config_from_dict({"run_dir": str(tmp_path), "target": {"model": str(model)}})
-    assert check_hf_fits(cfg, need, "test") == need
+    assert check_hf_fits(cfg.target, need, "test") == need
     with pytest.raises(ConfigError) as err:
-        check_hf_fits(cfg, need - 1, "the 8 visible GPUs (90%)")
+        check_hf_fits(cfg.target, need - 1, "the 8 visible GPUs (90%)")
     msg = str(err.value)
     assert "\n" not in msg and "45.57 KB" in msg and "compressed-tensors int4" in msg and "--set extract.backend=vllm" in msg
 
@@ -258,10 +258,10 @@ def test_vllm_backend_parallelism_errors(tmp_path):
     cfg = config_from_dict({"run_dir": str(tmp_path), "target": {"model": str(llama), "aux_layer_ids": [1, 2, 3]},
                             "extract": {"backend": "vllm", "data_parallel_size": 2}})
     with pytest.raises(ConfigError, match=r"data_parallel_size is 2 but 02 runs as 1 process.*torchrun --nproc_per_node 2"):
-        _check_parallelism(cfg, load_target_info(cfg), DistEnv())
+        _check_parallelism(cfg, load_target_info(cfg.target), DistEnv())
     cfg = config_from_dict({"run_dir": str(tmp_path), "target": {"model": str(deepseek), "aux_layer_ids": [0, 1, 3]},
                             "extract": {"backend": "vllm"}})
     with pytest.raises(ConfigError, match=r"includes 0.*use ids >= 1, or --set extract.backend=hf"):
-        _check_parallelism(cfg, load_target_info(cfg), DistEnv())
+        _check_parallelism(cfg, load_target_info(cfg.target), DistEnv())
     cfg.extract.backend = "hf"
-    _check_parallelism(cfg, load_target_info(cfg), DistEnv())  # the hf backend captures id 0 everywhere
+    _check_parallelism(cfg, load_target_info(cfg.target), DistEnv())  # the hf backend captures id 0 everywhere
