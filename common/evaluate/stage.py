@@ -314,13 +314,18 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
     """A VllmServer for cfg.target.model with the cfg.server settings (tensor parallel etc.).
 
     The target runs in target.dtype (float32 for the tiny default), the dtype 02 extracts the
-    training features in, unless server.extra_args already sets --dtype.
+    training features in, unless server.extra_args already sets --dtype; on CPU a float32 MLA
+    target gets the attention backend that runs it (cpu_attention_backend).
     """
-    from common.serving.vllm_server import VllmServer
+    from common.serving.vllm_server import VllmServer, cpu_attention_backend
 
     extra = list(cfg.server.extra_args)
-    if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+    given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in extra)  # noqa: E731
+    if not given("--dtype"):
         extra += ["--dtype", cfg.target.dtype]
+    backend = cpu_attention_backend(cfg.target.model, cfg.target.dtype)
+    if backend and not given("--attention-backend"):
+        extra += ["--attention-backend", backend]
     return VllmServer.from_config(cfg, speculative_config=speculative, log_path=log_path, extra_args=extra)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.core.errors import ConfigError, PipelineError
+from common.serving.vllm_server import cpu_attention_backend
 
 log = logging.getLogger("extract")
 
@@ -131,6 +132,7 @@ class VllmExtractor:
                 max_num_batched_tokens=max(cfg.extract.batch_max_tokens, self.max_model_len),
                 gpu_memory_utilization=cfg.extract.gpu_memory_utilization or (0.9 if on_gpu else 0.3),
                 enforce_eager=not on_gpu,  # CPU: compiling costs minutes and gains little for prefill
+                attention_backend=cpu_attention_backend(cfg.target.model, cfg.target.dtype),
                 seed=0,
             )
         except Exception as e:

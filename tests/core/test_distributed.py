@@ -1,6 +1,6 @@
 """common.core.distributed in one process: every collective is the identity, and NamedSums keeps named
 sums in one fixed flat layout (what a checkpoint stores). The 2-process paths run in
-tests/test_train_ddp.py."""
+tests/train/test_train_ddp.py."""
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ every library logging at DEBUG (openai, httpx, httpcore, asyncio): the key must 
 stdout, stderr, any file under run_dir, next to the config, or in the reports. A decoy key in
 OPENAI_API_KEY must not be used. A server that rejects the key gives a one-line error that
 names the variable, not the value. Putting the key itself in the config is refused (unknown key
-generate.api_key; tests/test_bad_inputs.py).
+generate.api_key; tests/pipeline/test_bad_inputs.py).
 """
 
 from __future__ import annotations

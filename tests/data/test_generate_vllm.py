@@ -1,113 +1,24 @@
-"""Stages 01 + 01b against a real vLLM server (CPU build) serving the tiny target, and the
-server manager (common/serving/vllm_server.py).
+"""Stages 01 + 01b against a real vLLM server (CPU build) serving the tiny target (the server
+manager itself is tested in tests/serving/test_vllm_server.py).
 
 The session-scoped `vllm_server` fixture starts vLLM once (about 1.5 min on 2 cores) with the
 deepseek_r1 reasoning parser, which splits the tiny target's `<think>...</think>` output.
-Tests marked `vllm` use it; the others check the manager with stand-in processes.
+Tests marked `vllm` use it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import REPO, stage_env
 
-from common.core.errors import PipelineError
 from common.data.generate import normalize_turn
 from common.serving.chat import parse_completion
 from common.core.io import iter_jsonl
 from common.target.tokenization import load_tokenizer, tokenize_conversation
-from common.serving.vllm_server import VllmServer, metrics_delta, parse_prometheus, spec_decode_metrics
-
-METRICS_TEXT = """\
-# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 200.0
-vllm:spec_decode_num_drafts_created{engine="0",model_name="tiny"} 1.7e+09
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 600.0
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 150.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 90.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 45.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} 15.0
-vllm:generation_tokens_total{engine="0",model_name="ti\\"ny"} 1234.0
-"""
-
-
-def test_parse_prometheus_and_spec_decode_metrics():
-    samples = parse_prometheus(METRICS_TEXT)
-    assert "vllm:spec_decode_num_drafts_created" not in samples
-    assert samples["vllm:generation_tokens_total"] == [({"engine": "0", "model_name": 'ti"ny'}, 1234.0)]
-    m = spec_decode_metrics(samples)
-    assert m["num_drafts"] == 200 and m["num_draft_tokens"] == 600 and m["num_accepted_tokens"] == 150
-    assert m["num_accepted_tokens_per_pos"] == {0: 90.0, 1: 45.0, 2: 15.0}
-    assert m["acceptance_length"] == 1.75 and m["draft_acceptance_rate"] == 0.25
-    assert m["acceptance_rate_per_pos"] == {0: 0.45, 1: 0.225, 2: 0.075}
-    empty = spec_decode_metrics({})
-    assert empty["acceptance_length"] is None and empty["num_drafts"] == 0
-    d = metrics_delta(m, spec_decode_metrics(parse_prometheus(METRICS_TEXT.replace("200.0", "100.0").replace(" 90.0", " 40.0"))))
-    assert d["num_drafts"] == 100 and d["num_accepted_tokens_per_pos"][0] == 50.0
-
-
-def test_server_command_on_cpu(tmp_path):
-    server = VllmServer("/models/x", port=0, max_model_len=1024, reasoning_parser="deepseek_r1",
-                        speculative_config={"method": "eagle3", "model": "/d", "num_speculative_tokens": 3},
-                        extra_args=["--seed", "1"], log_path=tmp_path / "s.log")
-    cmd = server.command()
-    assert cmd[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/x"]
-    assert server.port > 0 and cmd[cmd.index("--port") + 1] == str(server.port)
-    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    assert cmd[cmd.index("--max-model-len") + 1] == "1024"
-    assert cmd[cmd.index("--reasoning-parser") + 1] == "deepseek_r1"
-    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
-    assert cmd[-2:] == ["--seed", "1"]
-    if not server.on_gpu:  # docs/design.md#vllm-on-cpu-machines
-        assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3" and "--enforce-eager" in cmd
-        assert server._env()["VLLM_CPU_KVCACHE_SPACE"] == os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-    assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
-
-
-def fake_python(tmp_path, body: str):
-    """A stand-in for `python` that ignores `-m vllm...` and runs a shell body instead."""
-    path = tmp_path / "fake-python"
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-    return str(path)
-
-
-def test_server_dying_at_startup_raises_with_log_tail(tmp_path):
-    python = fake_python(tmp_path, 'echo "loading model"; echo "ValueError: no config.json in /nope" >&2; exit 3')
-    server = VllmServer("/nope", python=python, log_path=tmp_path / "server.log", startup_timeout_s=30)
-    with pytest.raises(PipelineError, match="exited with code 3 during startup") as err:
-        server.start()
-    assert "ValueError: no config.json in /nope" in str(err.value) and str(tmp_path / "server.log") in str(err.value)
-    assert server.process is None
-
-
-def test_server_startup_timeout_kills_the_process_group(tmp_path):
-    # The stand-in starts a child (like vLLM's engine core) and ignores SIGTERM: stop() must SIGKILL the group.
-    python = fake_python(tmp_path, "trap '' TERM; sleep 300 & echo $! > " + str(tmp_path / "child.pid") + "; wait")
-    server = VllmServer("/m", python=python, log_path=tmp_path / "server.log", startup_timeout_s=1.5, stop_grace_s=1.0)
-    t0 = time.monotonic()
-    with pytest.raises(PipelineError, match="not ready after 2s"):
-        server.start()
-    assert time.monotonic() - t0 < 20
-    child = int((tmp_path / "child.pid").read_text())
-    time.sleep(0.2)
-    assert process_state(child) in (None, "Z")  # gone, or a zombie waiting for init to reap it
-
-
-def process_state(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
-
 
 def run_stage_script(script: str, cfg_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(REPO / script), "--config", str(cfg_path), *args], cwd=REPO,

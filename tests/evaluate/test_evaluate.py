@@ -2,7 +2,7 @@
 
 The whole-stage tests swap the vLLM server for a small fake OpenAI-compatible HTTP server that
 answers deterministically and exposes spec-decode counters in Prometheus text on /metrics, so
-the report's numbers can be checked exactly. The real-vLLM run is in tests/test_e2e.py.
+the report's numbers can be checked exactly. The real-vLLM run is in tests/pipeline/test_e2e.py.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_hits_with_fewer_steps_than_k_is_an_error():
 
 
 def test_replay_on_token_ids_with_a_real_target_and_the_exact_chain_draft(tmp_path, one_torch_thread):
-    """The hand-built pi-chain target (transformers) and its exact draft (tests/test_export.py), exported:
+    """The hand-built pi-chain target (transformers) and its exact draft (tests/train/test_export.py), exported:
     on the target's greedy continuations every drafted token is right, so each round accepts k = 3 and
     moves 4 tokens. Prompt of P tokens, 24 generated (positions P..P+23): rounds anchor at
     P-1, P+3, ..., P+19 (the next, P+23, has no token left to draft): 6 rounds x 3 accepted."""

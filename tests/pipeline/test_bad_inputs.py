@@ -352,7 +352,7 @@ def test_01b_prompt_without_a_string_id_is_an_error(cli, tmp_path, chat_tokenize
 
 def test_01b_prompts_stage_01_would_drop_are_counted_skips(cli, tmp_path, chat_tokenizer_dir):
     """Rows 01 never writes (wrong field types, no user turn, a message without a role) are skipped
-    by 01's rules and counted, never sent (tests/test_run_folder.py covers more shapes)."""
+    by 01's rules and counted, never sent (tests/data/test_generate_failures.py covers more shapes)."""
     prompts = [prompt(0), {"id": "str", "messages": "What is 2 + 2?"}, {"id": "empty", "messages": []},
                {"id": "sys-only", "messages": [{"role": "system", "content": "You are terse."}], "split": "train"},
                {"id": "no-role", "messages": [{"content": "hi"}]}, prompt(1)]

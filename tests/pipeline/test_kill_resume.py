@@ -2,11 +2,11 @@
 
 Which stage is covered where:
   01  prepare     here: kills anywhere in the run (seeded), then byte-identical prompts.jsonl
-  01b generate    tests/test_generate.py::test_sigkill_at_random_moments_then_resume
-  02  extract     tests/test_extract.py::test_sigkill_at_random_points_then_resume_is_byte_identical
+  01b generate    tests/data/test_generate.py::test_sigkill_at_random_moments_then_resume
+  02  extract     tests/extract/test_extract.py::test_sigkill_at_random_points_then_resume_is_byte_identical
   03  vocab map   here: byte-identical vocab_map.safetensors and report
-  04  train       tests/test_train.py::test_resume_after_sigkill_is_exact
-  05  evaluate    here, on a fake vLLM (tests/test_evaluate.py::FakeVllm): identical report and outputs
+  04  train       tests/train/test_train.py::test_resume_after_sigkill_is_exact
+  05  evaluate    here, on a fake vLLM (tests/helpers.py FakeVllm): identical report and outputs
                   (except timings), prompts answered exactly once in outputs.jsonl
 plus: temp files that a kill leaves behind (`.tmp-*` next to an atomically written file) are
 removed by the next run, so repeated kills cannot fill the disk.

@@ -97,7 +97,7 @@ def test_two_copies_of_04_log_every_line_once(tmp_path, hidden_run):
 
 
 def test_05_waits_for_nobody(tmp_path):
-    """05 takes its lock before it reads anything (its real runs need vLLM: tests/test_evaluate.py)."""
+    """05 takes its lock before it reads anything (its real runs need vLLM: tests/evaluate/test_evaluate.py)."""
     run_dir = tmp_path / "run"
     cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(run_dir)})
     holder = hold_lock(run_dir, "05_evaluate")
