@@ -13,7 +13,6 @@ from common.core.io import format_bytes
 from common.target.loading import check_safetensors_readable
 
 
-
 def find_decoder_stack(model, num_layers: int):
     """The module that holds `layers` (N decoder layers) and the final `norm`, e.g. model.model.
 

@@ -84,8 +84,6 @@ def test_fingerprints_are_content_hashes_cached_by_mtime(tmp_path):
 # ============================================================================ the lock
 
 
-
-
 def test_lock_names_the_holder_and_dies_with_it(tmp_path):
     holder = hold_lock(tmp_path, "04_train")
     try:
