@@ -36,6 +36,9 @@ from common.core.io import atomic_write_json, file_sha256
 
 STAGES_DIR = "stages"
 HASH_CACHE = "hashes.json"
+# The two prompt sets 05 measures: held-out prompts of the training distribution (eval/outputs.jsonl,
+# eval/baseline.json), and evaluate.other_prompts, another kind never trained on (files suffixed -other).
+HELD_OUT, OTHER = "held_out", "other"
 
 
 @dataclass(frozen=True)
@@ -207,24 +210,23 @@ class Layout:
     def eval_plot(self) -> Path:
         return self.eval / "report.png"
 
-    # 05 measures two prompt sets: "held_out" (eval split of the training data) and "other"
     def eval_outputs_of(self, prompt_set: str) -> Path:
-        return self.eval / ("outputs.jsonl" if prompt_set == "held_out" else f"outputs-{prompt_set}.jsonl")
+        return self.eval / ("outputs.jsonl" if prompt_set == HELD_OUT else f"outputs-{prompt_set}.jsonl")
 
     def baseline_of(self, prompt_set: str) -> Path:
-        return self.eval / ("baseline.json" if prompt_set == "held_out" else f"baseline-{prompt_set}.json")
+        return self.eval / ("baseline.json" if prompt_set == HELD_OUT else f"baseline-{prompt_set}.json")
 
     @property
     def eval_outputs(self) -> Path:
-        return self.eval_outputs_of("held_out")
+        return self.eval_outputs_of(HELD_OUT)
 
     @property
     def baseline(self) -> Path:
-        return self.baseline_of("held_out")
+        return self.baseline_of(HELD_OUT)
 
     def evaluate_outputs(self) -> list[Path]:
         """Everything 05 writes under eval/: what --overwrite removes."""
-        return [self.eval_report, self.eval_plot, *(p for s in ("held_out", "other")
+        return [self.eval_report, self.eval_plot, *(p for s in (HELD_OUT, OTHER)
                                                      for p in (self.eval_outputs_of(s), self.baseline_of(s)))]
 
     # bookkeeping

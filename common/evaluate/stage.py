@@ -49,7 +49,7 @@ from typing import Any, Optional
 from common.core.config import Config
 from common.core.errors import DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256, iter_jsonl, read_json, write_jsonl_atomic
-from common.core.run_folder import Layout, StageManifest
+from common.core.run_folder import HELD_OUT, OTHER, Layout, StageManifest
 from common.serving.chat import chat_request, make_client, parse_completion, served_model
 
 
@@ -330,11 +330,6 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
 
 
 # ----------------------------------------------------------------------------- the stage
-
-
-# The two prompt sets 05 measures: held-out prompts of the training distribution, and
-# evaluate.other_prompts (another kind, never trained on).
-HELD_OUT, OTHER = "held_out", "other"
 
 
 def prompt_sets(cfg: Config) -> dict[str, list[dict]]:

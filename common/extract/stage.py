@@ -252,10 +252,6 @@ def _settings(cfg, info) -> dict:
     }
 
 
-def _header(cfg, plan: dict) -> dict:
-    return index_header(plan["settings"], cfg.target.model, plan["inputs"])
-
-
 def _warn_vllm_limits(info) -> None:
     # vLLM's DeepSeek-V2/V3 stack (also Kimi-K2.x) computes aux = hidden + residual before layer idx,
     # with residual None before layer 0, so id 0 crashes there (llama-style stacks handle it).
@@ -282,7 +278,7 @@ def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
     plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, layout)
     good = verified_shards(cfg, layout, plan)
     todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
-    header = _header(cfg, plan)
+    header = index_header(plan["settings"], cfg.target.model, plan["inputs"])
     if not todo:
         index = build_index(header, plan["shards"], good)
         if not layout.hidden_index.is_file() or read_json(layout.hidden_index) != index:

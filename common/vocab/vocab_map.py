@@ -31,6 +31,7 @@ from common.model.draft_vocab import build_mappings
 
 log = logging.getLogger("vocab_map")
 
+
 def count_masked_tokens(path: Path, vocab_size: int, flush_every: int = 1 << 20) -> tuple[np.ndarray, int, str]:
     """Per-id counts over loss-masked positions of a tokenized jsonl; also (num_samples, sha256)."""
     counts = np.zeros(vocab_size, dtype=np.int64)

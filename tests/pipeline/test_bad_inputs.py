@@ -47,7 +47,7 @@ from conftest import REPO, stage_env
 from fault_server import FaultServer, Faults
 
 from common.core.io import iter_jsonl
-from tests.helpers import error_line, write_yaml
+from tests.helpers import clone_run, error_line, write_yaml
 
 PYTHON = sys.executable
 VOCAB = 256
@@ -588,14 +588,8 @@ def test_02_missing_target_weight_shard_names_the_file(cli, tmp_path, weights_ta
 # ============================================================================ stage 04 (on the stage-04 test data set)
 
 
-def clone_train(hidden_run: Path, dest: Path, **train) -> Path:
-    from tests.helpers import clone_run
-
-    return clone_run(hidden_run, dest, **train)
-
-
 def test_04_truncated_hidden_shard_names_the_file(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     shard = sorted((tmp_path / "run" / "hidden").glob("shard-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:4096])
     error_line(cli("04_train.py", "--config", cfg), shard.name, "02_extract_hidden.py")
@@ -603,38 +597,38 @@ def test_04_truncated_hidden_shard_names_the_file(cli, tmp_path, hidden_run):
 
 
 def test_04_missing_hidden_shard_names_the_file(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     shard = sorted((tmp_path / "run" / "hidden").glob("shard-*.safetensors"))[0]
     shard.unlink()
     error_line(cli("04_train.py", "--config", cfg), shard.name, "missing", "02_extract_hidden.py")
 
 
 def test_04_missing_hidden_index_names_the_stage_to_run(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     shutil.rmtree(tmp_path / "run" / "hidden")
     error_line(cli("04_train.py", "--config", cfg), "index.json", "run 02_extract_hidden.py first")
 
 
 def test_04_truncated_vocab_map_names_the_file(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     vocab = tmp_path / "run" / "vocab" / "vocab_map.safetensors"
     vocab.write_bytes(vocab.read_bytes()[:100])
     error_line(cli("04_train.py", "--config", cfg), str(vocab), "03_build_vocab_map.py")
 
 
 def test_04_draft_vocab_size_larger_than_target_vocab(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     error_line(cli("04_train.py", "--config", cfg, "--set", "vocab.draft_vocab_size=100000"), "vocab.draft_vocab_size=100000")
 
 
 def test_04_sample_longer_than_the_micro_batch(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     error_line(cli("04_train.py", "--config", cfg, "--set", "train.batch_max_tokens=32"), "train.batch_max_tokens=32",
                  "tokenize.max_seq_len")
 
 
 def test_04_truncated_target_weights_name_the_file(cli, tmp_path, hidden_run):
-    cfg = clone_train(hidden_run, tmp_path)
+    cfg = clone_run(hidden_run, tmp_path)
     tree = yaml.safe_load(cfg.read_text())
     target = tmp_path / "target"
     shutil.copytree(tree["target"]["model"], target)
@@ -795,9 +789,9 @@ def test_disk_full_while_04_writes_a_checkpoint(cli, tmp_path, tmpfs, hidden_run
 
     fs = tmpfs("256m")
     kw = dict(max_steps=6, checkpoint_every=2, eval_every=0, log_every=1, batch_max_tokens=256)
-    ref_cfg = clone_train(hidden_run, tmp_path / "ref", **kw)
+    ref_cfg = clone_run(hidden_run, tmp_path / "ref", **kw)
     assert_ok(cli("04_train.py", "--config", ref_cfg, pre=ONE_THREAD, timeout=600))
-    cfg = clone_train(hidden_run, fs.path, **kw)
+    cfg = clone_run(hidden_run, fs.path, **kw)
     run = fs.path / "run"
     res = cli("04_train.py", "--config", cfg, pre=ONE_THREAD + fill_before(fs, "common.train.trainer:save_checkpoint", nth=2),
               timeout=600)
