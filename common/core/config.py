@@ -113,7 +113,10 @@ class TokenizeConfig:
 
 @dataclass
 class ExtractConfig:
-    dtype: TorchDtype = "bfloat16"  # dtype of stored hidden states
+    dtype: TorchDtype = "bfloat16"  # dtype the hidden states are captured in (and stored in, with storage "full")
+    # How the states are stored: "full" (extract.dtype) or "fp8" (e4m3 with a float32 scale per token per
+    # tensor: ~half of bf16 on disk, decoded to the training dtype by 04; docs/design.md#fp8-hidden-states).
+    storage: Literal["full", "fp8"] = "full"
     batch_max_tokens: Annotated[int, Positive] = 16384  # tokens per forward batch (token budget, not sample count)
     shard_max_tokens: Annotated[int, Positive] = 262144  # tokens per output shard
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -75,7 +75,7 @@ from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
 from common.core.run_folder import Layout, StageManifest
-from common.hidden.shards import (FORMAT_VERSION, ID_MASK_BYTES, build_index, check_format_version, dtype_bytes, index_header,
+from common.hidden.shards import (FORMAT_VERSION, build_index, check_format_version, describe_bytes_per_token, index_header,
                                   read_entries, shard_entry, verify_entry, write_fragment, write_index, write_shard)
 
 if TYPE_CHECKING:  # torch is imported only when the stage runs
@@ -230,7 +230,7 @@ def check_disk_space(hidden_dir: Path, needed: int, min_free_gb: float, disk_usa
         raise DataError(
             f"not enough disk space in {hidden_dir}: need {format_bytes(needed)} for the shards + {format_bytes(headroom)} "
             f"head-room (extract.min_free_disk_gb={min_free_gb:g}) = {format_bytes(required)}, free {format_bytes(free)}; "
-            f"{format_bytes(required - free)} missing: free space, move run_dir, or lower extract.dtype precision"
+            f"{format_bytes(required - free)} missing: free space, move run_dir, or set extract.storage: fp8 (half of bf16)"
         )
 
 
@@ -249,6 +249,8 @@ def _settings(cfg, info) -> dict:
         "target_dtype": cfg.target.dtype,
         "dtype": cfg.extract.dtype,
         "shard_max_tokens": cfg.extract.shard_max_tokens,
+        # only when not "full": run folders made before extract.storage existed stay complete
+        **({"storage": cfg.extract.storage} if cfg.extract.storage != "full" else {}),
     }
 
 
@@ -360,9 +362,9 @@ def check_disk_for(cfg, layout: Layout, plan: dict, header: dict, todo: list[str
     tokens = sum(shards_by_name[f]["num_tokens"] for f in todo)
     needed = tokens * per_token + sum(8 * (shards_by_name[f]["num_samples"] + 1) + 1024 for f in todo)
     s = plan["settings"]
-    print(f"02_extract_hidden: {len(todo)}/{len(plan['shards'])} shards to write, {tokens:,} tokens x {per_token:,} B/token "
-          f"(({len(s['aux_layer_ids'])} aux + final) x H {s['target_hidden_size']} x {dtype_bytes(s['dtype'])} B + "
-          f"{ID_MASK_BYTES} B ids/mask) = {format_bytes(needed)} needed", flush=True)
+    per_token_text = describe_bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"], header["storage"])
+    print(f"02_extract_hidden: {len(todo)}/{len(plan['shards'])} shards to write, {tokens:,} tokens x {per_token_text} "
+          f"= {format_bytes(needed)} needed", flush=True)
     check_disk_space(layout.hidden, needed, cfg.extract.min_free_disk_gb)
 
 
@@ -474,7 +476,7 @@ def _extract_shards(cfg, info, layout: Layout, plan: dict, header: dict, mine: l
 
     def finish(name: str, samples: list[dict], batches: list[dict]) -> None:
         # Runs in the writer thread: write the shard, then record it (index only after the rename).
-        entry = shard_entry(shards[name], write_shard(layout.hidden / name, samples, batches))
+        entry = shard_entry(shards[name], write_shard(layout.hidden / name, samples, batches, header["storage"]))
         my_entries[name] = entry
         entries[name] = entry
         if env.distributed:

@@ -7,22 +7,29 @@ paths from common.core.run_folder.Layout, this module takes paths. Under run_dir
     Layout.shard(k)           a safetensors file, the samples of the shard back to back (TENSORS):
         input_ids       int64 [N]
         loss_mask       uint8 [N]
-        aux_hidden      [N, n_aux*H_t]  extract.dtype; the aux states concatenated in aux_layer_ids order
-        final_hidden    [N, H_t]        extract.dtype; the final-norm output = input of the target lm_head
+        aux_hidden      [N, n_aux*H_t]  the aux states concatenated in aux_layer_ids order
+        final_hidden    [N, H_t]        the final-norm output = input of the target lm_head
         sample_offsets  int64 [n_samples+1]; sample i is rows offsets[i]:offsets[i+1]
+      and with storage "fp8" (format_version 2) two more (FP8_SCALES):
+        aux_scale       float32 [N, n_aux]
+        final_scale     float32 [N, 1]
+    The states are in extract.dtype (storage "full"), or float8 e4m3 with one float32 scale per token
+    per tensor (storage "fp8": value = e4m3 * scale; docs/design.md#fp8-hidden-states).
     Layout.hidden_index       format_version, the settings (aux_layer_ids, target_hidden_size,
-                              num_target_layers, dtype, ...), "complete", per-split counts, and one entry
+                              num_target_layers, dtype, storage, ...), "complete", per-split counts, and one entry
                               per written shard (file, split, num_samples, num_tokens, sha256, bytes,
                               num_loss_tokens, sample_ids in shard order)
     Layout.index_fragment(r)  under torchrun, rank r's entries; rank 0 merges them into the index
 
 What is here:
-- names and arithmetic: FORMAT_VERSION (written), READ_VERSIONS (read), SPLITS, TENSORS, bytes_per_token;
+- names and arithmetic: FORMAT_VERSION (written), READ_VERSIONS (read), SPLITS, TENSORS, STORAGES,
+  bytes_per_token, describe_bytes_per_token;
+- the fp8 codec: fp8_encode, fp8_decode;
 - writing: write_shard (atomic, hashed while written by the streaming write_safetensors), shard_entry,
   index_header, build_index, write_index, write_fragment;
 - reading the index: read_entries (index.json + rank fragments, for 02's resume), check_format_version,
   HiddenIndex.load (04: complete, readable version, every shard's header checked) and ShardReader (samples'
-  rows, lazily, via safetensors safe_open);
+  rows, lazily, via safetensors safe_open, fp8 states decoded);
 - verification: verify_entry (02's rerun: a reason or None) and verify_shard_files (04's start: one-line
   DataError).
 """
@@ -51,12 +58,17 @@ if TYPE_CHECKING:  # torch is imported only when shards are written or read (02'
 
 log = logging.getLogger("shards")
 
-FORMAT_VERSION = 1  # what write_* produce
-READ_VERSIONS = (1,)  # what HiddenIndex.load and read_entries accept
+# Version 2 added index.json's "storage" and the fp8 storage; a "full" v2 shard is byte-identical to v1.
+FORMAT_VERSION = 2  # what write_* produce
+READ_VERSIONS = (1, 2)  # what HiddenIndex.load and read_entries accept (v1 = storage "full")
 SPLITS = ("train", "eval")
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets")
 ROW_TENSORS = TENSORS[:4]  # one row per token (sample_offsets is per sample)
+STORAGES = ("full", "fp8")  # extract.storage
+FP8_SCALES = {"aux_hidden": "aux_scale", "final_hidden": "final_scale"}  # state tensor -> its per-token scales
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 ID_MASK_BYTES = 8 + 1  # int64 input_ids + uint8 loss_mask per token
+SCALE_BYTES = 4  # one float32 scale per token per tensor (fp8)
 RERUN_02 = "rerun 02_extract_hidden.py (it rebuilds missing or incomplete shards)"
 
 
@@ -64,9 +76,27 @@ def dtype_bytes(name: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
 
 
-def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token: the aux states, the final state, input id and loss mask."""
+def bytes_per_token(num_aux: int, hidden_size: int, dtype: str, storage: str = "full") -> int:
+    """Stored bytes per token: the aux states, the final state (with their scales for fp8), input id
+    and loss mask."""
+    if storage == "fp8":
+        return (num_aux + 1) * (hidden_size + SCALE_BYTES) + ID_MASK_BYTES
     return (num_aux + 1) * hidden_size * dtype_bytes(dtype) + ID_MASK_BYTES
+
+
+def describe_bytes_per_token(num_aux: int, hidden_size: int, dtype: str, storage: str = "full") -> str:
+    """bytes_per_token as the sum it is, for 02's planner line."""
+    total = bytes_per_token(num_aux, hidden_size, dtype, storage)
+    if storage == "fp8":
+        return (f"{total:,} B/token (({num_aux} aux + final) x (H {hidden_size} x 1 B fp8 + {SCALE_BYTES} B scale) + "
+                f"{ID_MASK_BYTES} B ids/mask)")
+    return (f"{total:,} B/token (({num_aux} aux + final) x H {hidden_size} x {dtype_bytes(dtype)} B {dtype} + "
+            f"{ID_MASK_BYTES} B ids/mask)")
+
+
+def storage_of(doc: dict) -> str:
+    """index.json's storage; format_version 1 had only "full"."""
+    return doc.get("storage", "full")
 
 
 def check_format_version(doc: dict, path: Path) -> None:
@@ -82,10 +112,37 @@ def check_format_version(doc: dict, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The fp8 codec: float8 e4m3, one float32 scale per token per tensor
+# ---------------------------------------------------------------------------------------------
+
+
+def fp8_encode(x: "torch.Tensor", parts: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """x [N, parts*H] (parts tensors of width H side by side) -> (float8_e4m3fn [N, parts*H],
+    float32 scales [N, parts]): each token's each part is divided by its own scale = its largest |value|
+    / 448, so that value maps to e4m3's largest finite number and the rest keep e4m3's 3-bit mantissa
+    (relative error <= 2^-4). A part that is all zeros gets the smallest normal scale (it decodes to 0)."""
+    import torch
+
+    n = x.shape[0]
+    xf = x.float().view(n, parts, -1)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(n, -1), scale.view(n, parts)
+
+
+def fp8_decode(q: "torch.Tensor", scale: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
+    """The inverse of fp8_encode, in `dtype` (the product is taken in float32)."""
+    n, parts = scale.shape
+    return (q.float().view(n, parts, -1) * scale.float().unsqueeze(-1)).view(n, -1).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing shards: a streaming safetensors writer that hashes while it writes.
 # ---------------------------------------------------------------------------------------------
 
-_ST_DTYPES = {"int64": "I64", "uint8": "U8", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_ST_DTYPES = {"int64": "I64", "uint8": "U8", "bfloat16": "BF16", "float16": "F16", "float32": "F32",
+              "float8_e4m3fn": "F8_E4M3"}
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, list]]) -> tuple[str, int]:
@@ -121,25 +178,36 @@ def write_safetensors(path: Path, tensors: list[tuple[str, list]]) -> tuple[str,
     return digest.hexdigest(), 8 + len(text) + offset
 
 
-def write_shard(final_path: Path, samples: list[dict], batches: list[dict]) -> dict:
+def write_shard(final_path: Path, samples: list[dict], batches: list[dict], storage: str = "full") -> dict:
     """Write one shard atomically from its samples (shard order: each {"input_ids", "loss_mask"}) and
     their states, a list of batches {"aux": [n, n_aux*H_t], "final": [n, H_t]} whose rows follow the
-    samples' tokens. Returns {"sha256", "bytes", "num_loss_tokens"}."""
+    samples' tokens; storage "full" writes the states as they are, "fp8" encodes them (fp8_encode).
+    Returns {"sha256", "bytes", "num_loss_tokens"}."""
     import torch
+
+    for b in batches:  # a NaN or inf state would train the draft on garbage without a word
+        for key in ("aux", "final"):
+            if not torch.isfinite(b[key]).all():
+                raise DataError(f"the target produced non-finite (nan/inf) hidden states for {final_path.name}: check "
+                                f"target.dtype (float16 overflows on some models) and the target's weights")
 
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int64)
     loss_mask = torch.tensor([int(m) for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
-    tensors = [
-        ("input_ids", [input_ids]),
-        ("loss_mask", [loss_mask]),
-        ("aux_hidden", [b["aux"] for b in batches]),
-        ("final_hidden", [b["final"] for b in batches]),
-        ("sample_offsets", [offsets]),
-    ]
-    rows = sum(b["aux"].shape[0] for b in batches)
+    aux, final = [b["aux"] for b in batches], [b["final"] for b in batches]
+    tensors = [("input_ids", [input_ids]), ("loss_mask", [loss_mask])]
+    if storage == "fp8":
+        n_aux = aux[0].shape[1] // final[0].shape[1]
+        aux_q, aux_s = zip(*(fp8_encode(a, n_aux) for a in aux))
+        final_q, final_s = zip(*(fp8_encode(f, 1) for f in final))
+        tensors += [("aux_hidden", list(aux_q)), ("aux_scale", list(aux_s)),
+                    ("final_hidden", list(final_q)), ("final_scale", list(final_s))]
+    else:
+        tensors += [("aux_hidden", aux), ("final_hidden", final)]
+    tensors.append(("sample_offsets", [offsets]))
+    rows = sum(a.shape[0] for a in aux)
     if rows != int(offsets[-1]):
         raise PipelineError(f"internal error: {rows} hidden-state rows for {int(offsets[-1])} tokens in {final_path.name}")
     with atomic_path(final_path) as tmp:
@@ -162,10 +230,12 @@ def shard_entry(shard: dict, written: dict) -> dict:
 def index_header(settings: dict, target_model: str, inputs: dict) -> dict:
     """index.json's fields before the shard list: the format version and the settings that shaped the
     states (settings: aux_layer_ids, num_target_layers, target_hidden_size, vocab_size, model_type,
-    dtype, target_dtype); inputs: the tokenized files they were made from."""
+    dtype, target_dtype, storage when not "full"); inputs: the tokenized files they were made from."""
     s = settings
+    storage = s.get("storage", "full")  # plans made before format 2 have no storage: "full"
     return {
         "format_version": FORMAT_VERSION,
+        "storage": storage,
         "aux_layer_ids": s["aux_layer_ids"],
         "num_target_layers": s["num_target_layers"],
         "target_hidden_size": s["target_hidden_size"],
@@ -174,7 +244,7 @@ def index_header(settings: dict, target_model: str, inputs: dict) -> dict:
         "dtype": s["dtype"],
         "target_dtype": s["target_dtype"],
         "target_model": target_model,
-        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"]),
+        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"], storage),
         "inputs": inputs,
     }
 
@@ -306,6 +376,7 @@ class HiddenIndex:
     dtype: str
     shards: list[ShardInfo]
     samples: list[SampleRef]
+    storage: str = "full"  # STORAGES
     raw: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -335,13 +406,17 @@ class HiddenIndex:
                 raise DataError(f"{index_path} has no '{key}' field; {RERUN_02} with --overwrite")
         aux_ids = [int(k) for k in raw["aux_layer_ids"]]
         h_t = int(raw["target_hidden_size"])
+        storage = storage_of(raw)
+        if storage not in STORAGES:
+            raise DataError(f"{index_path} has storage {json.dumps(storage)}, this code reads {' or '.join(STORAGES)}; "
+                            f"{RERUN_02} with --overwrite")
         shards: list[ShardInfo] = []
         samples: list[SampleRef] = []
         for si, entry in enumerate(raw["shards"]):
             path = index_path.parent / entry["file"]
             ids = [str(x) for x in entry.get("sample_ids", [])]
             info = ShardInfo(entry["file"], path, int(entry.get("num_tokens", -1)), ids, entry.get("bytes"), entry.get("sha256"))
-            offsets = check_shard_header(info, len(aux_ids), h_t)
+            offsets = check_shard_header(info, len(aux_ids), h_t, storage)
             split = entry.get("split")  # 02 keeps train and eval samples in separate shards
             if split not in SPLITS:
                 raise DataError(f"index entry for {path} has split {split!r}, expected train or eval; {RERUN_02} with --overwrite")
@@ -353,12 +428,13 @@ class HiddenIndex:
             shards.append(info)
         if not samples:
             raise DataError(f"{index_path} lists no samples; check data/train.jsonl and {RERUN_02}")
-        return cls(index_path, aux_ids, h_t, raw.get("num_target_layers"), str(raw.get("dtype", "")), shards, samples, raw)
+        return cls(index_path, aux_ids, h_t, raw.get("num_target_layers"), str(raw.get("dtype", "")), shards, samples,
+                   storage, raw)
 
 
-def check_shard_header(info: ShardInfo, num_aux: int, h_t: int) -> "np.ndarray":
+def check_shard_header(info: ShardInfo, num_aux: int, h_t: int, storage: str = "full") -> "np.ndarray":
     """Open the shard header (cheap: no tensor data is read except sample_offsets) and check it
-    against its index entry; returns sample_offsets. Sets info.num_tokens from the file."""
+    against its index entry and storage; returns sample_offsets. Sets info.num_tokens from the file."""
     from safetensors import safe_open
 
     path = info.path
@@ -367,11 +443,14 @@ def check_shard_header(info: ShardInfo, num_aux: int, h_t: int) -> "np.ndarray":
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
-            missing = [k for k in TENSORS if k not in keys]
+            names = TENSORS + (tuple(FP8_SCALES.values()) if storage == "fp8" else ())
+            missing = [k for k in names if k not in keys]
             if missing:
-                raise DataError(f"hidden shard {path} lacks tensors {missing}; {RERUN_02} with --overwrite")
+                raise DataError(f"hidden shard {path} lacks tensors {missing} (index.json says storage {storage}); "
+                                f"{RERUN_02} with --overwrite")
             offsets = f.get_tensor("sample_offsets").numpy()
-            shapes = {k: list(f.get_slice(k).get_shape()) for k in TENSORS}
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in names}
+            state_dtype = f.get_slice("aux_hidden").get_dtype()
     except DataError:
         raise
     except Exception as e:  # SafetensorError: truncated file, bad header
@@ -383,7 +462,12 @@ def check_shard_header(info: ShardInfo, num_aux: int, h_t: int) -> "np.ndarray":
         )
     if info.num_tokens >= 0 and n != info.num_tokens:
         raise DataError(f"hidden shard {path} holds {n} tokens but index.json says {info.num_tokens}; {RERUN_02} with --overwrite")
+    if (state_dtype == "F8_E4M3") != (storage == "fp8"):
+        raise DataError(f"hidden shard {path} holds {state_dtype} states but index.json says storage {storage}; "
+                        f"{RERUN_02} with --overwrite")
     want = {"input_ids": [n], "loss_mask": [n], "aux_hidden": [n, num_aux * h_t], "final_hidden": [n, h_t]}
+    if storage == "fp8":
+        want.update({"aux_scale": [n, num_aux], "final_scale": [n, 1]})
     for k, shape in want.items():
         if shapes[k] != shape:
             raise DataError(
@@ -396,8 +480,8 @@ def check_shard_header(info: ShardInfo, num_aux: int, h_t: int) -> "np.ndarray":
 
 class ShardReader:
     """Reads samples' rows from the shards of a HiddenIndex lazily (safetensors safe_open, one slice
-    per sample and tensor, in the stored dtypes); keeps up to `max_open` shards open (LRU). Safe to
-    share between threads."""
+    per sample and tensor; fp8 states decoded with their scales); keeps up to `max_open` shards open
+    (LRU). Safe to share between threads."""
 
     def __init__(self, index: HiddenIndex, max_open: int = 32):
         self.index = index
@@ -433,14 +517,26 @@ class ShardReader:
         ref = self.index.samples[i]
         return self._handle(ref.shard).get_slice(name)[ref.start + skip : ref.end]
 
-    def read(self, sample_indices: list[int], names: tuple[str, ...] = ROW_TENSORS) -> dict[str, "torch.Tensor"]:
-        """The rows of these samples back to back, per tensor (in the stored dtypes)."""
+    def read(self, sample_indices: list[int], names: tuple[str, ...] = ROW_TENSORS,
+             dtype: "torch.dtype | None" = None) -> dict[str, "torch.Tensor"]:
+        """The rows of these samples back to back, per tensor. The states come in `dtype`; None = as
+        stored for storage "full", float32 for "fp8"."""
         import torch
 
-        parts: dict[str, list] = {k: [] for k in names}
+        fp8 = self.index.storage == "fp8"
+        read_names = [*names, *(FP8_SCALES[k] for k in names if fp8 and k in FP8_SCALES)]
+        parts: dict[str, list] = {k: [] for k in read_names}
         for i in sample_indices:
             ref = self.index.samples[i]
             h = self._handle(ref.shard)
             for k in parts:
                 parts[k].append(h.get_slice(k)[ref.start : ref.end])
-        return {k: torch.cat(v) for k, v in parts.items()}
+        rows = {k: torch.cat(v) for k, v in parts.items()}
+        for k in names:
+            if k not in FP8_SCALES:
+                continue
+            if fp8:
+                rows[k] = fp8_decode(rows[k], rows.pop(FP8_SCALES[k]), dtype or torch.float32)
+            elif dtype is not None:
+                rows[k] = rows[k].to(dtype)
+        return rows

@@ -10,8 +10,8 @@ readable, sizes consistent) and lists every sample with its shard, row range and
    micro-batch (`pack_micro_batches`): a seeded permutation per epoch (seed + epoch), then
    best-fit-decreasing within windows of that permutation, then a seeded shuffle of the
    micro-batches. Same inputs -> same micro-batches, on any number of processes;
-3. read a micro-batch lazily through `ShardReader` (one slice per sample and tensor) and cast
-   the hidden states to the training dtype (`MicroBatchReader`, `MicroBatch`).
+3. read a micro-batch lazily through `ShardReader` (one slice per sample and tensor; it decodes
+   fp8 storage) with the hidden states in the training dtype (`MicroBatchReader`, `MicroBatch`).
 
 Data position and multiple processes. The packed micro-batches of an epoch form one global
 sequence. An optimizer step consumes `world * grad_accum` consecutive micro-batches of it;
@@ -144,11 +144,10 @@ class MicroBatchReader:
         return int(self.shards.rows(i, "loss_mask", skip=2).sum())
 
     def read(self, sample_indices: list[int]) -> MicroBatch:
-        rows = self.shards.read(sample_indices)
+        rows = self.shards.read(sample_indices, dtype=self.dtype)  # fp8 storage decoded there
         refs = [self.index.samples[i] for i in sample_indices]
         seq_lens = [ref.length for ref in refs]
-        aux = rows["aux_hidden"].to(self.dtype)
-        final = rows["final_hidden"].to(self.dtype)
+        aux, final = rows["aux_hidden"], rows["final_hidden"]
         if self.pin_memory:
             aux, final = aux.pin_memory(), final.pin_memory()
         return MicroBatch(

@@ -184,8 +184,46 @@ def test_bf16_rows_equal_hf_on_the_same_padded_batch(tmp_path, llama_bf16):
         assert pos == shard["num_tokens"] and got >= 1
 
 
+def test_fp8_storage_is_the_float32_states_within_e4m3_rounding(tmp_path, capsys):
+    """extract.storage fp8 on a float32 target: the planner prints the fp8 bytes/token, the shards hold
+    that many bytes per token, and 04's reader decodes every state to the float32 one within e4m3's
+    rounding (half a unit in the last of 3 mantissa bits: 2^-4 relative; 2^-10 x scale near zero)."""
+    from common.hidden.shards import HiddenIndex, ShardReader
+
+    model_dir = build_target(tmp_path / "model", "llama", dtype=torch.float32)
+    states = {}
+    for storage in ("full", "fp8"):
+        run_dir = tmp_path / storage
+        write_data(run_dir, n_train=10, n_eval=3)
+        run_extraction(cfg_of(make_cfg(run_dir, model_dir, dtype="float32", storage=storage), dtype="float32"))
+        index = HiddenIndex.load(run_dir / "hidden" / "index.json")
+        assert index.storage == storage
+        per_token = bytes_per_token(3, 64, "float32", storage)
+        for info in index.shards:  # data = tokens x bytes/token + the sample offsets; the rest is the header
+            n_samples = len(info.sample_ids)
+            data = info.path.stat().st_size - 8 - int.from_bytes(info.path.read_bytes()[:8], "little")
+            assert data == info.num_tokens * per_token + 8 * (n_samples + 1)
+        reader = ShardReader(index)
+        states[storage] = {ref.sample_id: reader.read([i]) for i, ref in enumerate(index.samples)}
+    printed = capsys.readouterr().out
+    assert "x 281 B/token ((3 aux + final) x (H 64 x 1 B fp8 + 4 B scale) + 9 B ids/mask)" in printed
+    assert "x 1,033 B/token ((3 aux + final) x H 64 x 4 B float32 + 9 B ids/mask)" in printed
+    assert states["full"].keys() == states["fp8"].keys()
+    for sid, full in states["full"].items():
+        fp8 = states["fp8"][sid]
+        assert torch.equal(fp8["input_ids"], full["input_ids"]) and torch.equal(fp8["loss_mask"], full["loss_mask"])
+        for name, parts in (("aux_hidden", 3), ("final_hidden", 1)):
+            x, y = full[name], fp8[name]
+            assert y.dtype == torch.float32 and y.shape == x.shape
+            amax = x.view(len(x), parts, 64).abs().amax(-1, keepdim=True).expand(-1, -1, 64).reshape(x.shape)
+            bound = torch.maximum(x.abs() * 2.0**-4, amax / 448 * 2.0**-10) * 1.0001
+            assert ((y - x).abs() <= bound).all(), (sid, name, ((y - x).abs() / bound).max())
+            assert not torch.equal(y, x)  # it was stored in fp8, not passed through
+
+
 def test_kimi_bytes_per_token_and_batches():
     assert bytes_per_token(3, 7168, "bfloat16") == 57_344 + 9  # 3 aux + final, H 7168, bf16, + ids/mask
+    assert bytes_per_token(3, 7168, "bfloat16", "fp8") == 4 * (7168 + 4) + 9  # 50.04% of bf16
     lengths = [90, 70, 70, 40, 30, 10, 5]
     batches = make_batches(lengths, 160)
     assert batches == [(0, 1), (1, 3), (3, 7)]

@@ -21,6 +21,9 @@ from common.hidden.shards import (
     ShardReader,
     HiddenIndex,
     build_index,
+    bytes_per_token,
+    fp8_decode,
+    fp8_encode,
     index_header,
     read_entries,
     shard_entry,
@@ -54,13 +57,15 @@ def make_states(samples: list[dict], seed: int, dtype=torch.bfloat16) -> list[di
     return [{"aux": aux[:cut], "final": final[:cut]}, {"aux": aux[cut:], "final": final[cut:]}]
 
 
-def write_run(run_dir: Path, splits=(("train", 2), ("eval", 1))) -> tuple[Layout, dict[str, tuple[list[dict], list[dict]]]]:
+def write_run(run_dir: Path, splits=(("train", 2), ("eval", 1)), storage: str = "full",
+              ) -> tuple[Layout, dict[str, tuple[list[dict], list[dict]]]]:
     """Shards written the way 02 writes them (plan order, index after every shard). Returns the layout
     and {file: (samples, batches)}."""
     layout = Layout.of(run_dir)
     layout.hidden.mkdir(parents=True)
     settings = {"aux_layer_ids": AUX, "num_target_layers": 4, "target_hidden_size": H, "vocab_size": 100,
-                "model_type": "llama", "dtype": "bfloat16", "target_dtype": "bfloat16"}
+                "model_type": "llama", "dtype": "bfloat16", "target_dtype": "bfloat16",
+                **({"storage": storage} if storage != "full" else {})}
     header = index_header(settings, "tiny", {"train": {"file": "data/train.jsonl"}})
     plan_shards, written = [], {}
     for split, n_shards in splits:
@@ -74,7 +79,7 @@ def write_run(run_dir: Path, splits=(("train", 2), ("eval", 1))) -> tuple[Layout
     entries = {}
     for shard in plan_shards:
         samples, batches = written[shard["file"]]
-        entries[shard["file"]] = shard_entry(shard, write_shard(layout.hidden / shard["file"], samples, batches))
+        entries[shard["file"]] = shard_entry(shard, write_shard(layout.hidden / shard["file"], samples, batches, storage))
         write_index(layout.hidden_index, build_index(header, plan_shards, entries))
     return layout, written
 
@@ -132,7 +137,7 @@ def test_index_fragments_merge_with_the_index(tmp_path):
     assert set(merged) == set(entries) | {"shard-00009.safetensors"}
 
 
-@pytest.mark.parametrize("version", [2, 0, None, "1"])
+@pytest.mark.parametrize("version", [3, 0, None, "1"])
 def test_an_index_in_another_format_version_is_one_clear_error(tmp_path, version):
     layout, _ = write_run(tmp_path / "run")
     raw = json.loads(layout.hidden_index.read_text())
@@ -153,11 +158,82 @@ def test_an_index_in_another_format_version_is_one_clear_error(tmp_path, version
 
 
 def test_format_version_1_run_folders_keep_loading(tmp_path):
-    assert 1 in READ_VERSIONS
-    layout, _ = write_run(tmp_path / "run")
+    """A v1 folder is a v2 "full" folder without the storage field (the shards are the same bytes)."""
+    assert READ_VERSIONS == (1, 2) and FORMAT_VERSION == 2
+    layout, written = write_run(tmp_path / "run")
     raw = json.loads(layout.hidden_index.read_text())
-    assert raw["format_version"] == 1
-    assert len(HiddenIndex.load(layout.hidden_index).samples) == 12
+    assert raw["format_version"] == 2 and raw["storage"] == "full"
+    raw["format_version"] = 1
+    del raw["storage"]
+    layout.hidden_index.write_text(json.dumps(raw))
+    index = HiddenIndex.load(layout.hidden_index)
+    assert index.storage == "full" and len(index.samples) == 12
+    samples, batches = written[index.shards[0].file]
+    rows = ShardReader(index).read([0])
+    assert torch.equal(rows["aux_hidden"], batches[0]["aux"][:len(samples[0]["input_ids"])])
+    assert sorted(read_entries(layout.hidden_index)) == [p.name for p in layout.shard_files()]
+
+
+def test_fp8_shards_round_trip_and_cost_about_half_of_bf16(tmp_path):
+    layout, written = write_run(tmp_path / "fp8", storage="fp8")
+    raw = json.loads(layout.hidden_index.read_text())
+    assert raw["storage"] == "fp8" and raw["bytes_per_token"] == bytes_per_token(3, H, "bfloat16", "fp8") == 4 * (H + 4) + 9
+    with safe_open(str(layout.shard(0)), framework="pt") as f:
+        assert f.get_slice("aux_hidden").get_dtype() == "F8_E4M3" and f.get_slice("final_hidden").get_dtype() == "F8_E4M3"
+        assert f.get_slice("aux_scale").get_shape()[1] == 3 and f.get_slice("final_scale").get_shape()[1] == 1
+    index = HiddenIndex.load(layout.hidden_index)
+    reader = ShardReader(index)
+    for i, ref in enumerate(index.samples):
+        samples, batches = written[index.shards[ref.shard].file]
+        j = [s["id"] for s in samples].index(ref.sample_id)
+        start = sum(len(s["input_ids"]) for s in samples[:j])
+        for name, key, parts in (("aux_hidden", "aux", 3), ("final_hidden", "final", 1)):
+            x = torch.cat([b[key] for b in batches])[start:start + ref.length].float()
+            q, scale = fp8_encode(x, parts)  # what the writer stored, decoded by hand
+            expected = fp8_decode(q, scale, torch.bfloat16)
+            got = reader.read([i], dtype=torch.bfloat16)[name]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+            assert ((reader.read([i])[name] - x).abs() <= x.abs() * 2.0**-4 + 1e-6).all()
+    verify_shard_files(index, layout, DistEnv(), "sha256")
+    # at Kimi's width the scales are noise: fp8 is 50.04% of bf16
+    assert bytes_per_token(3, 7168, "bfloat16", "fp8") / bytes_per_token(3, 7168, "bfloat16") < 0.5004
+
+
+def test_fp8_codec_edges():
+    x = torch.zeros(3, 2 * 4)
+    x[1, :4] = torch.tensor([1e-30, -2e-30, 0.0, 3e-30])  # tiny values: their own scale, not flushed to 0
+    x[2, 4:] = torch.tensor([1e4, -1e4, 5.0, 0.0])
+    q, scale = fp8_encode(x, 2)
+    y = fp8_decode(q, scale, torch.float32)
+    assert torch.equal(y[0], x[0]) and (y[1, :4] != 0).sum() == 3 and y[2, 5] == -1e4 and y[2, 4] == 1e4
+    assert ((y - x).abs() <= x.abs() * 2.0**-4).all()
+
+
+def test_storage_and_shard_contents_must_agree(tmp_path):
+    layout, _ = write_run(tmp_path / "run")  # full shards
+    raw = json.loads(layout.hidden_index.read_text())
+    for storage, says in (("fp8", "lacks tensors ['aux_scale', 'final_scale'] (index.json says storage fp8)"),
+                          ("int4", 'has storage "int4", this code reads full or fp8')):
+        layout.hidden_index.write_text(json.dumps({**raw, "storage": storage}))
+        with pytest.raises(DataError) as e:
+            HiddenIndex.load(layout.hidden_index)
+        assert says in str(e.value) and "\n" not in str(e.value) and "--overwrite" in str(e.value)
+    layout8, _ = write_run(tmp_path / "fp8", storage="fp8")
+    raw8 = json.loads(layout8.hidden_index.read_text())
+    layout8.hidden_index.write_text(json.dumps({**raw8, "storage": "full"}))
+    with pytest.raises(DataError, match="holds F8_E4M3 states but index.json says storage full"):
+        HiddenIndex.load(layout8.hidden_index)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_states_are_refused_by_the_writer(tmp_path, bad):
+    samples = make_samples(2, seed=0, prefix="s")
+    batches = make_states(samples, seed=1)
+    batches[1]["final"][0, 3] = bad
+    for storage in ("full", "fp8"):
+        with pytest.raises(DataError, match="the target produced non-finite .* hidden states for shard-x.safetensors"):
+            write_shard(tmp_path / "shard-x.safetensors", samples, batches, storage)
+        assert not list(tmp_path.iterdir())  # nothing written, not even a temp file
 
 
 def test_verify_catches_truncated_and_corrupted_shards(tmp_path):

@@ -263,7 +263,9 @@ def test_05_evaluate_sigkill_anywhere_then_rerun_is_identical(tmp_path):
         if "report" in now:
             assert "outputs" in now and "baseline" in now
 
-    kills = kill_repeatedly(cmds["cut"], duration, seed=505, check=check)
+    # Moments within the first 60% of a full run: a resumed run has less left to do than the reference,
+    # and a kill drawn late in it (seed 505 draws 0.84) found it finished on a loaded machine (kills=1).
+    kills = kill_repeatedly(cmds["cut"], 0.6 * duration, seed=505, check=check)
     assert kills >= 2, "the runs finished before they could be killed; slow the fake server down"
     final, _ = run(cmds["cut"])
     assert final.returncode == 0, final.stderr[-3000:]
