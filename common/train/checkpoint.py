@@ -5,6 +5,7 @@
         optimizer.pt        AdamW + schedule state, plain tensors (torch.load(weights_only=True))
         rank{r}.pt          each rank's RNG state and partial logging window
         state.json          step, data position, fingerprint, counters
+        ledger.json         which train sample was trained in which epoch (common.train.ledger)
         manifest.json       bytes and sha256 of every file above, written last
 
 A checkpoint is written under .tmp-step-N and renamed, so a step-N directory is complete when it
@@ -33,6 +34,7 @@ from common.core.distributed import DistEnv, barrier, broadcast_object
 from common.core.errors import DataError, PipelineError
 from common.core.run_folder import Layout
 from common.core.io import file_sha256, fsync_dir, iter_jsonl, write_jsonl_atomic
+from common.train.ledger import LEDGER_FILE, SampleLedger
 
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
@@ -92,9 +94,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(layout: Layout, step: int, draft, optimizer, state: dict, env: DistEnv, keep: int,
-                    rank_state: Optional[dict] = None) -> Optional[Path]:
+                    rank_state: Optional[dict] = None, files: Optional[dict[str, str]] = None) -> Optional[Path]:
     """Every rank calls this (FSDP gathers are collective). Atomic: temp dir, then rename.
-    rank_state: this rank's extra state (plain tensors/numbers), stored next to its RNG state."""
+    rank_state: this rank's extra state (plain tensors/numbers), stored next to its RNG state;
+    files: more text files of the checkpoint ({name: text}, from rank 0: the sample ledger)."""
     from safetensors.torch import save_file
 
     model_sd = full_model_state(draft)
@@ -111,6 +114,8 @@ def save_checkpoint(layout: Layout, step: int, draft, optimizer, state: dict, en
             save_file(model_sd, str(tmp / "model.safetensors"))
             torch.save({"optimizer": optim_sd, "schedule": {"step": step, "kind": "linear_warmup_cosine"}}, tmp / "optimizer.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text, encoding="utf-8")
             write_manifest(tmp)
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
@@ -206,6 +211,7 @@ def load_checkpoint(path: Path, draft, optimizer, env: DistEnv) -> dict:
     blob = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     set_optimizer_state_dict(draft, optimizer, blob["optimizer"], options=_sd_options(full_state_dict=True))
     state = json.loads((path / "state.json").read_text())
+    state["ledger"] = SampleLedger.from_file(path / LEDGER_FILE) if (path / LEDGER_FILE).is_file() else None
     rank_file = path / f"rank{env.rank}.pt"
     state["rank_state"] = {}
     if rank_file.is_file():  # absent when resuming with more ranks than the checkpoint had

@@ -18,9 +18,10 @@ sequence. An optimizer step consumes `world * grad_accum` consecutive micro-batc
 rank r takes the ones at offsets r, r + world, r + 2*world, ... of that step's slice. So one
 process with grad_accum=2 and two processes with grad_accum=1 see exactly the same global
 batches (and, since the trainer divides every micro-batch loss by the position count of the whole
-global step, the same gradients). The last step of an epoch wraps
-around to the epoch's first micro-batches so that every rank gets the same number of them.
-A position is (epoch, index of the next global micro-batch), which is what a checkpoint stores.
+global step, the same gradients). In the last step of an epoch a rank that runs out gets one of the
+epoch's first micro-batches again with weight 0 (collectives stay in step; no sample counts twice).
+A position is (epoch, index of the next global micro-batch), which is what a checkpoint stores, with
+the ledger of which sample was trained in which epoch (common.train.ledger).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from common.core.errors import DataError
 from common.hidden.shards import HiddenIndex, ShardReader
+from common.train.ledger import SampleLedger
 
 # ---------------------------------------------------------------------------------------
 # Packing
@@ -206,6 +208,7 @@ class TrainData:
                  window: int = 4096, split: str = "train"):
         self.index = index
         self.samples = index.split_indices(split)
+        self._train_position = {i: k for k, i in enumerate(self.samples)}  # index sample -> ledger position
         if not self.samples:
             raise DataError(f"no '{split}' samples in {index.path}; check data/{split}.jsonl and rerun 02")
         self.lengths = np.array([index.samples[i].length for i in self.samples], dtype=np.int64)
@@ -221,6 +224,25 @@ class TrainData:
         self._epochs: dict[int, list[list[int]]] = {}
         self._epoch_sizes: dict[int, int] = {}
         self.epoch_micro_batches(0)  # validates lengths against the budget at startup
+
+    def new_ledger(self) -> SampleLedger:
+        """An empty ledger over the train samples (in this order: self.samples)."""
+        return SampleLedger([self.index.samples[i].sample_id for i in self.samples])
+
+    def record_step(self, ledger: SampleLedger, pos: DataPosition) -> None:
+        """Count the samples of the global step at `pos` as trained in its epoch."""
+        ledger.record(pos.epoch, (self._train_position[i] for mb in self.step_global_micro_batches(pos) for i in mb))
+
+    def ledger_at(self, pos: DataPosition) -> SampleLedger:
+        """The ledger of a run that stopped at `pos`: every earlier epoch whole (positions only move to
+        the next epoch after the last micro-batch), and the first pos.micro_batch of pos's epoch."""
+        ledger = self.new_ledger()
+        for epoch in range(pos.epoch):
+            ledger.record(epoch, range(len(self.samples)))
+        if pos.micro_batch:
+            consumed = self.epoch_micro_batches(pos.epoch)[: pos.micro_batch]
+            ledger.record(pos.epoch, (self._train_position[i] for mb in consumed for i in mb))
+        return ledger
 
     @property
     def micro_per_step(self) -> int:
@@ -248,31 +270,35 @@ class TrainData:
     def total_steps(self, epochs: int) -> int:
         return sum(self.steps_in_epoch(e) for e in range(epochs))
 
-    def step_micro_batches(self, pos: DataPosition) -> tuple[list[list[int]], DataPosition]:
-        """This rank's micro-batches for the optimizer step at `pos`, and the position after it."""
+    def step_micro_batches(self, pos: DataPosition) -> tuple[list[list[int]], list[bool], DataPosition]:
+        """This rank's micro-batches for the optimizer step at `pos`, whether each one is real, and the
+        position after the step. At an epoch's end a rank can run out: it gets one of the epoch's
+        first micro-batches again to keep the collectives in step, marked not real (the trainer gives
+        it weight 0), so every sample is trained exactly once per epoch."""
         mbs = self.epoch_micro_batches(pos.epoch)
         m = len(mbs)
         start = pos.micro_batch
-        mine = [mbs[(start + j * self.world_size + self.rank) % m] for j in range(self.grad_accum)]
+        slots = [start + j * self.world_size + self.rank for j in range(self.grad_accum)]
         nxt = start + self.micro_per_step
         nxt_pos = DataPosition(pos.epoch, nxt) if nxt < m else DataPosition(pos.epoch + 1, 0)
-        return mine, nxt_pos
+        return [mbs[g % m] for g in slots], [g < m for g in slots], nxt_pos
+
+    def step_global_micro_batches(self, pos: DataPosition) -> list[list[int]]:
+        """The real micro-batches of the whole global step at `pos` (all ranks), computed locally."""
+        mbs = self.epoch_micro_batches(pos.epoch)
+        return mbs[pos.micro_batch : pos.micro_batch + self.micro_per_step]
 
     def step_tokens(self, pos: DataPosition) -> int:
         """Tokens in the whole global step at `pos` (all ranks), computed locally."""
-        mbs = self.epoch_micro_batches(pos.epoch)
-        m = len(mbs)
-        return sum(self.index.samples[i].length for g in range(pos.micro_batch, pos.micro_batch + self.micro_per_step) for i in mbs[g % m])
+        return sum(self.index.samples[i].length for mb in self.step_global_micro_batches(pos) for i in mb)
 
     def step_loss_positions(self, pos: DataPosition) -> int:
         """Positions that get a step-0 loss in the whole global step (all ranks): per sample of
         length L, the t with loss_mask[t+2] == 1 (the target x_{t+2} lies inside the sample).
         Known before the forward pass, so every rank can normalise by the global count."""
-        mbs = self.epoch_micro_batches(pos.epoch)
-        m = len(mbs)
         total = 0
-        for g in range(pos.micro_batch, pos.micro_batch + self.micro_per_step):
-            for i in mbs[g % m]:
+        for mb in self.step_global_micro_batches(pos):
+            for i in mb:
                 if self._loss_positions[i] < 0:
                     self._loss_positions[i] = self.reader.loss_positions(i)
                 total += int(self._loss_positions[i])
@@ -285,7 +311,7 @@ class TrainData:
         def schedule():
             p = pos
             for _ in range(num_steps):
-                mine, p = self.step_micro_batches(p)
+                mine, _, p = self.step_micro_batches(p)
                 yield from mine
 
         return prefetch(self.reader.read, schedule(), self.num_workers)

@@ -61,6 +61,7 @@ from common.train.optim import build_optimizer, lr_at, set_lr
 from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
 from common.train.data import DataPosition, TrainData
+from common.train.ledger import LEDGER_FILE, SampleLedger
 from common.hidden.shards import HiddenIndex, verify_shard_files
 from common.model.ttt import ttt_loss
 
@@ -187,6 +188,7 @@ class Trainer:
         self.window = NamedSums(loss=1, tokens=1, step_losses=K, step_correct=K, step_counts=K)
         self.window_steps, self.window_time = 0, 0.0
         self.last_eval = None
+        self.ledger = self.data.new_ledger()
         latest = load_latest(self.layout, self.draft, self.optimizer, self.env)  # skips damaged ones
         if latest is not None:
             path, state = latest
@@ -196,6 +198,7 @@ class Trainer:
                     f"vocab/, train.batch_max_tokens or train.seed changed); rerun with --overwrite to start over"
                 )
             self.step, self.pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
+            self.ledger = self.resumed_ledger(path, state)
             self.tokens_seen, self.elapsed_before = int(state["tokens_seen"]), float(state["elapsed_s"])
             self.last_train_loss = float(state.get("last_train_loss", float("nan")))
             rank_state = state["rank_state"]
@@ -215,6 +218,18 @@ class Trainer:
             if report.is_file() and read_json(report).get("step") == self.step:
                 self.last_eval = read_json(report)
         barrier(self.env)
+
+    def resumed_ledger(self, path, state: dict) -> SampleLedger:
+        """The checkpoint's ledger, checked against its data position (a checkpoint from before ledgers
+        existed gets the ledger its position implies)."""
+        implied = self.data.ledger_at(self.pos)
+        saved = state.get("ledger")
+        if saved is not None and saved != implied:
+            raise DataError(
+                f"checkpoint {path} records other trained samples than its data position (epoch {self.pos.epoch}, "
+                f"micro-batch {self.pos.micro_batch}) implies; its ledger.json was edited or comes from another run: "
+                f"remove {path} to resume from an earlier checkpoint, or rerun with --overwrite")
+        return implied
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -307,7 +322,7 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, self.t)
         set_lr(self.optimizer, lr)
-        mine, next_pos = self.data.step_micro_batches(self.pos)
+        mine, real, next_pos = self.data.step_micro_batches(self.pos)
         self.tokens_seen += self.data.step_tokens(self.pos)
         # Each micro-batch loss is a sum over its positions divided by the step-0 position count of
         # the whole global step, so the step's gradient is the token mean over the global batch
@@ -327,12 +342,15 @@ class Trainer:
                 with self.autocast():
                     out = ttt_loss(self.model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
                                    mb.seq_lens, self.lm_head, K, t.loss_decay, denominator=denominator)
-                (out.loss * env.world_size).backward()
-            self.window.add(loss=float(out.loss.detach()), tokens=mb.num_tokens, step_losses=out.step_losses,
-                            step_correct=out.step_correct, step_counts=out.step_counts)
+                # a stand-in at an epoch's end (this rank ran out) keeps the collectives in step, with weight 0
+                (out.loss * (env.world_size if real[j] else 0.0)).backward()
+            if real[j]:
+                self.window.add(loss=float(out.loss.detach()), tokens=mb.num_tokens, step_losses=out.step_losses,
+                                step_correct=out.step_correct, step_counts=out.step_counts)
         norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
+        self.data.record_step(self.ledger, self.pos)
         self.lr = lr
         self.step += 1
         self.pos = next_pos
@@ -389,7 +407,8 @@ class Trainer:
             "global_micro_batches": self.data.micro_per_step, "last_train_loss": self.last_train_loss,
         }
         rank_state = {"log_window": self.window.flat.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
-        save_checkpoint(self.layout, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state)
+        save_checkpoint(self.layout, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state,
+                        files={LEDGER_FILE: self.ledger.to_json()})
 
     def finish(self) -> None:
         elapsed = self.elapsed()
@@ -399,11 +418,13 @@ class Trainer:
             "eval": self.last_eval, "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
             "parallel": self.t.parallel if self.env.distributed else "none", "trainable_params": self.n_params,
             "aux_layer_ids": self.index.aux_layer_ids, "draft_config": dataclasses.asdict(self.draft_cfg),
+            "ledger": self.ledger.summary(),
             "config": self.cfg.to_dict(),
         }
         export_final(self.t.parallel, self.env, self.draft, self.draft_cfg, self.index, self.layout, summary)
         if self.env.is_main:
             tau_txt = describe_acceptance(self.last_eval or {}, self.shown_ks)
+            self.say(f"04_train: {self.ledger.describe()}")
             self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "
                      f"({self.tokens_seen / max(1e-9, elapsed):.0f} tok/s), final loss {self.last_train_loss:.4f}; {tau_txt}; "
                      f"draft in {self.layout.final}")

@@ -82,10 +82,10 @@ def test_rank_schedule_matches_grad_accum(hidden_run):
     assert single.steps_in_epoch(0) == ranks[0].steps_in_epoch(0)
     pos1 = pos2 = DataPosition()
     for _ in range(single.steps_in_epoch(0) + 2):  # crosses into epoch 1
-        mine, nxt1 = single.step_micro_batches(pos1)
-        r0, nxt2 = ranks[0].step_micro_batches(pos2)
-        r1, _ = ranks[1].step_micro_batches(pos2)
-        assert mine == [r0[0], r1[0]]
+        mine, real, nxt1 = single.step_micro_batches(pos1)
+        r0, real0, nxt2 = ranks[0].step_micro_batches(pos2)
+        r1, real1, _ = ranks[1].step_micro_batches(pos2)
+        assert mine == [r0[0], r1[0]] and real == [real0[0], real1[0]]
         assert nxt1 == nxt2
         assert single.step_loss_positions(pos1) == ranks[1].step_loss_positions(pos2)
         pos1, pos2 = nxt1, nxt2
@@ -248,6 +248,99 @@ def test_resume_after_sigkill_is_exact(hidden_run, tmp_path):
     # a third run: already complete
     again = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def _ledger(run_dir: Path) -> dict:
+    """The newest checkpoint's ledger.json."""
+    ckpts = sorted((run_dir / "train" / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return json.loads((ckpts[-1] / "ledger.json").read_text())
+
+
+def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, tmp_path):
+    """1 process x grad_accum 3: epochs end mid-step, where the rank's stand-in micro-batches get weight 0.
+    Three SIGKILLs at random steps (and random moments inside them, checkpoints included), then a rerun:
+    the ledger has every train sample exactly once in each of the 2 epochs, as the uninterrupted run's."""
+    import random
+
+    kw = dict(max_steps=None, epochs=2, grad_accum=3, checkpoint_every=2, keep_checkpoints=1, eval_every=0,
+              log_every=5, batch_max_tokens=160)
+    ref_cfg, cut_cfg = clone_run(hidden_run, tmp_path / "ref", **kw), clone_run(hidden_run, tmp_path / "cut", **kw)
+    env = train_env()
+    ref = subprocess.run(train_cmd(ref_cfg), env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    ledger = _ledger(tmp_path / "ref" / "run")
+    train_ids = [json.loads(line)["id"] for line in (tmp_path / "ref" / "run" / "data" / "train.jsonl").read_text().splitlines()]
+    assert sorted(ledger["sample_ids"]) == sorted(train_ids) and len(ledger["epochs"]) == 2
+    assert all(c == [1] * len(train_ids) for c in ledger["epochs"])
+    summary = json.loads((tmp_path / "ref" / "run" / "train" / "final" / "training_summary.json").read_text())
+    total_steps = summary["total_steps"]
+    assert summary["ledger"] == {"num_samples": len(train_ids), "epochs": 2, "min_times": 2, "max_times": 2,
+                                 "per_epoch_trained": [len(train_ids)] * 2}
+    assert f"every one of {len(train_ids)} train samples trained exactly 2 time(s)" in ref.stdout
+
+    rng = random.Random(4)
+    cut_run = tmp_path / "cut" / "run"
+    for target in sorted(rng.sample(range(2, total_steps - 2, 2), 3)):
+        proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", target)
+            time.sleep(rng.uniform(0.0, 0.3))  # inside a later step or its checkpoint write
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(timeout=60)
+        assert not (cut_run / "train" / "final").exists()
+        partial = _ledger(cut_run)  # what the kept checkpoint vouches for: no sample twice
+        assert all(max(c) <= 1 for c in partial["epochs"])
+    done = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _ledger(cut_run) == ledger
+
+
+def test_stand_in_micro_batches_at_an_epoch_end_have_weight_zero(hidden_run, tmp_path):
+    """An epoch of exactly 2 micro-batches: grad_accum 3 gets a stand-in third one (a copy of the first).
+    With weight 0 the one step of epoch 0 is exactly grad_accum 2's (had it counted, the first
+    micro-batch would weigh double and the weights would differ)."""
+    from safetensors.torch import load_file
+
+    from common.core.run_folder import Layout
+    from common.hidden.shards import HiddenIndex
+    from common.train.data import TrainData
+
+    index = HiddenIndex.load(Layout.of(yaml.safe_load(hidden_run.read_text())["run_dir"]).hidden_index)
+    total = sum(index.samples[i].length for i in index.split_indices("train"))
+    budget = next(b for b in range(total // 2, total, 64) if len(TrainData(index, b, seed=0).epoch_micro_batches(0)) == 2)
+    runs = {}
+    for accum in (2, 3):
+        cfg = clone_run(hidden_run, tmp_path / f"ga{accum}", max_steps=1, grad_accum=accum, batch_max_tokens=budget,
+                        checkpoint_every=1, eval_every=0)
+        res = subprocess.run(train_cmd(cfg), env=train_env(), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        ckpt = tmp_path / f"ga{accum}" / "run" / "train" / "checkpoints" / "step-1"
+        runs[accum] = load_file(str(ckpt / "model.safetensors"))
+        assert json.loads((ckpt / "state.json").read_text())["data_position"] == {"epoch": 1, "micro_batch": 0}
+    for name, weight in runs[2].items():
+        assert torch.equal(weight, runs[3][name]), name
+
+
+def test_a_ledger_that_disagrees_with_the_position_stops_the_resume(hidden_run, tmp_path):
+    kw = dict(max_steps=6, checkpoint_every=3, keep_checkpoints=2, eval_every=0, batch_max_tokens=160)
+    cfg = clone_run(hidden_run, tmp_path / "a", **kw)
+    assert subprocess.run(train_cmd(cfg), env=train_env(), capture_output=True, timeout=600).returncode == 0
+    run_dir = tmp_path / "a" / "run"
+    ckpt = run_dir / "train" / "checkpoints" / "step-6"
+    doc = json.loads((ckpt / "ledger.json").read_text())
+    doc["epochs"][0] = [1] * len(doc["epochs"][0])  # claims every sample was trained
+    (ckpt / "ledger.json").write_text(json.dumps(doc))
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # re-vouched for, so only the content is wrong
+    from common.core.io import file_sha256
+
+    manifest["files"]["ledger.json"] = {"bytes": (ckpt / "ledger.json").stat().st_size, "sha256": file_sha256(ckpt / "ledger.json")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    res = subprocess.run(train_cmd(cfg, "--set", "train.max_steps=8"), env=train_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = [x for x in res.stderr.splitlines() if x.strip()][-1]
+    assert line.startswith("error: checkpoint ") and "records other trained samples than its data position" in line
+    assert "rerun with --overwrite" in line
 
 
 # ---------------------------------------------------------------------------------------------
