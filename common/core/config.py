@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -40,14 +41,18 @@ class Range:
                 raise ConfigError(f"config key '{key}' must be {self.describe()}, got {value!r}")
 
     def describe(self) -> str:
-        low = f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}" if self.gt is not None else None
-        high = f"<= {self.le:g}" if self.le is not None else f"< {self.lt:g}" if self.lt is not None else None
+        def num(b: float) -> str:
+            return str(b) if isinstance(b, int) else f"{b:g}"
+
+        low = f">= {num(self.ge)}" if self.ge is not None else f"> {num(self.gt)}" if self.gt is not None else None
+        high = f"<= {num(self.le)}" if self.le is not None else f"< {num(self.lt)}" if self.lt is not None else None
         return " and ".join(x for x in (low, high) if x)
 
 
 Positive = Range(ge=1)  # counts, sizes, intervals
 NonNegative = Range(ge=0)
 Fraction = Range(ge=0, le=1)
+Seed = Range(ge=0, le=2**31 - 1)  # numpy takes seeds below 2**32; the ranks add their rank
 TorchDtype = Literal["bfloat16", "float16", "float32"]
 
 
@@ -72,7 +77,7 @@ class DataConfig:
     subset: Optional[str] = None  # hub dataset config name
     max_samples: Optional[Annotated[int, Positive]] = None
     eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05
-    seed: int = 0
+    seed: Annotated[int, Seed] = 0
     system_prompt: Optional[str] = None  # prepended to every prompt that has none
     max_user_turns: Annotated[int, Positive] = 1  # user turns kept per prompt; 01b answers them one by one
     dedupe: bool = True
@@ -171,7 +176,7 @@ class TrainConfig:
     keep_checkpoints: Annotated[int, Positive] = 3
     eval_every: Annotated[int, NonNegative] = 500  # 0 = only at the end
     log_every: Annotated[int, Positive] = 10
-    seed: int = 0
+    seed: Annotated[int, Seed] = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"
     num_workers: Annotated[int, NonNegative] = 0  # background threads reading the next micro-batches from the shards
     attention_impl: Literal["chunked", "flex", "naive"] = "chunked"  # TTT attention: chunked (exact, low memory) | flex (CUDA, compiled) | naive (reference)
@@ -293,14 +298,19 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             return int(value)
         raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        if not math.isfinite(number):  # .inf / .nan pass every range check and break a stage hours later
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import random
 import shutil
 import time
@@ -349,6 +350,8 @@ class Trainer:
                                 step_correct=out.step_correct, step_counts=out.step_counts)
         norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(self.grad_norm):  # the same value on every rank (the gradients are all-reduced)
+            raise self.diverged(lr)
         self.optimizer.step()
         self.data.record_step(self.ledger, self.pos)
         self.lr = lr
@@ -357,6 +360,17 @@ class Trainer:
         self.window_steps += 1
         self.window_time += time.perf_counter() - t0
         self.bar.update(1)
+
+    def diverged(self, lr: float) -> PipelineError:
+        """The error for a non-finite gradient: nothing of this step is applied, saved or exported."""
+        t = self.t
+        kept = self.layout.checkpoint_dirs()
+        where = (f"the last good checkpoint, {kept[-1][1]}, is kept: rerun 04 to resume from it" if kept
+                 else "no checkpoint was written yet: rerun 04 to start over")
+        return PipelineError(
+            f"training diverged at step {self.step + 1}/{self.total_steps}: the gradient norm is {self.grad_norm} "
+            f"(lr {lr:.3g}); nothing was exported and train/final is untouched; lower train.lr (now {t.lr:g}) or set "
+            f"train.grad_clip (now {t.grad_clip:g}), then {where} (or use --overwrite)")
 
     def log(self) -> None:
         """One metrics line: means over the steps since the last line, summed over ranks."""

@@ -126,6 +126,14 @@ def test_defaults_are_a_valid_config():
     ("generate.max_failure_fraction=1.5", "config key 'generate.max_failure_fraction' must be >= 0 and <= 1, got 1.5"),
     ("train.precision=bf17", "config key 'train.precision' must be one of auto, bf16, fp32, got 'bf17'; did you mean 'bf16'?"),
     ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"),
+    # issue 18, cases 4 and 15: non-finite numbers and seeds numpy cannot take, refused at load
+    ("train.lr=.inf", "config key 'train.lr' must be a finite number, got inf"),
+    ("train.lr=.nan", "config key 'train.lr' must be a finite number, got nan"),
+    ("extract.min_free_disk_gb=.inf", "config key 'extract.min_free_disk_gb' must be a finite number, got inf"),
+    ("generate.timeout_s=-.inf", "config key 'generate.timeout_s' must be a finite number, got -inf"),
+    ("train.seed=-1", "config key 'train.seed' must be >= 0 and <= 2147483647, got -1"),
+    ("train.seed=1e30", "config key 'train.seed' must be >= 0 and <= 2147483647, got 1000000000000000019884624838656"),
+    ("data.seed=4294967296", "config key 'data.seed' must be >= 0 and <= 2147483647, got 4294967296"),
 ])
 def test_config_values_are_checked_at_load(tmp_path, override, message):
     """Issue 10, cases 5 and 8: values that gave tracebacks, or were accepted, are one line at load."""

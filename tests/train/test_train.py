@@ -322,6 +322,27 @@ def test_stand_in_micro_batches_at_an_epoch_end_have_weight_zero(hidden_run, tmp
         assert torch.equal(weight, runs[3][name]), name
 
 
+def test_a_diverged_run_stops_keeps_its_last_good_checkpoint_and_exports_nothing(hidden_run, tmp_path):
+    """Issue 18, case 4: lr 1e30 without clipping blows the weights up within a few steps. The run must stop
+    with one error line (exit 2) at the first non-finite gradient, keep the checkpoints before it, write no
+    train/final and no NaN into metrics.jsonl."""
+    cfg = clone_run(hidden_run, tmp_path / "a", max_steps=20, lr=1e30, grad_clip=0.0, warmup_ratio=0.0, checkpoint_every=1,
+                    keep_checkpoints=50, eval_every=0, log_every=1, batch_max_tokens=160)
+    res = subprocess.run(train_cmd(cfg), env=train_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    line = [x for x in res.stderr.splitlines() if x.strip()][-1]
+    assert line.startswith("error: training diverged at step ") and "nothing was exported" in line and "train.lr (now 1e+30)" in line
+    bad_step = int(line.split("at step ")[1].split("/")[0])
+    run_dir = tmp_path / "a" / "run"
+    assert not (run_dir / "train" / "final").exists()
+    steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "train" / "checkpoints").glob("step-*"))
+    assert steps == list(range(1, bad_step))  # every step before the bad one, none after
+    if steps:
+        assert f"the last good checkpoint, {run_dir / 'train' / 'checkpoints' / f'step-{steps[-1]}'}, is kept" in line
+    for row in (run_dir / "train" / "metrics.jsonl").read_text().splitlines():
+        json.loads(row, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))  # strict JSON: no NaN
+
+
 def test_a_ledger_that_disagrees_with_the_position_stops_the_resume(hidden_run, tmp_path):
     kw = dict(max_steps=6, checkpoint_every=3, keep_checkpoints=2, eval_every=0, batch_max_tokens=160)
     cfg = clone_run(hidden_run, tmp_path / "a", **kw)
