@@ -15,7 +15,8 @@ continues where it stopped; finished stages say "already complete".
 yet: what configs/tiny.yaml needs on a fresh machine (scripts/run_demo.sh passes it).
 --server-url URL uses an already running server of the target for 01b instead of starting one.
 
-Every vLLM server this starts is stopped on success, failure, Ctrl-C and SIGTERM. The exit code
+Every vLLM server this starts is stopped on success, failure, Ctrl-C and SIGTERM, and by a watchdog
+(common/core/reaper.py) when this script is SIGKILLed. The exit code
 is non-zero when a stage fails; the message names the stage and its log.
 """
 
@@ -361,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     from common.core.errors import PipelineError
 
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM cleans up like Ctrl-C
+    from common.core.reaper import watch_children
+
+    watch_children()  # a SIGKILL of this script still stops the vLLM servers and stages it started
     pipeline = None
     outcome = "failed"
     try:

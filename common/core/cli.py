@@ -7,7 +7,8 @@ A stage script is a thin wrapper:
     if __name__ == "__main__":
         stage_main("01_prepare_data", __doc__, run)
 
-User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130. Each stage holds
+User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130. Processes a stage starts
+(vLLM's engine, an api_server) are stopped when the stage dies, SIGKILL included (common.core.reaper). Each stage holds
 an exclusive lock on run_dir for its life (common.core.run_folder.stage_lock): a second copy on the
 same run_dir exits 2 naming the holder's pid.
 """
@@ -67,6 +68,9 @@ def stage_main(
     # Heavy imports (torch, transformers) happen after --help has been served.
     from common.core.config import load_config
 
+    from common.core.reaper import watch_children
+
+    watch_children()  # the engine processes this stage may start die with it, even on SIGKILL
     try:
         cfg = load_config(args.config, args.overrides)
         with _stage_lock(cfg, prog):

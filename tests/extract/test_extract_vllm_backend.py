@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -180,7 +181,8 @@ def test_sigkill_during_vllm_backend_then_rerun_has_every_sample_once(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
     log = tmp_path / "killed.log"
     with open(log, "wb") as out:
-        # Own session: the SIGKILL reaches vLLM's engine core and worker too, as a real crash would.
+        # Own session (for the clean-up below). The kill hits 02 alone, as `kill -9 PID` or the OOM killer
+        # would: vLLM's engine core and worker must not outlive it (issue 18, case 3; common/core/reaper.py).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
@@ -188,8 +190,12 @@ def test_sigkill_during_vllm_backend_then_rerun_has_every_sample_once(tmp_path):
             while not (index.is_file() and json.loads(index.read_text())["num_shards"] >= 1):
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
                 time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGKILL)
+            engine = [c for c in psutil.Process(proc.pid).children(recursive=True) if "common.core.reaper" not in " ".join(c.cmdline())]
+            assert engine, "no engine processes under 02"
+            os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
+            _, orphans = psutil.wait_procs(engine, timeout=30)
+            assert not orphans, [" ".join(o.cmdline())[:80] for o in orphans]
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
