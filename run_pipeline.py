@@ -194,7 +194,8 @@ def last_run(run_dir, stage: str):
     return (read_manifest(Layout.of(run_dir), stage) or {}).get("last_run")
 
 
-STATUS_WORDS = {"already_complete": "already complete", "done": "done", "partial": "done, with failures left (rerun to retry them)"}
+STATUS_WORDS = {"already_complete": "already complete", "done": "done", "partial": "done, with failures left (rerun to retry them)",
+                "round_done": "one round done"}
 
 
 def stage_status(run_dir, stage: str, before) -> str:
@@ -321,13 +322,35 @@ class Pipeline:
             self.server.stop()
             self.server = None
 
+    def train(self) -> None:
+        """04; under a disk budget (extract.max_disk_gb) 02 and 04 then alternate, one round each, until the
+        training is complete (docs/design.md#rounds-under-a-disk-budget). 02 starts and stops its own vLLM
+        engine every round."""
+        from common.core.errors import PipelineError
+        from common.core.run_folder import read_manifest
+        from common.hidden.shards import read_consumed
+
+        self.stage("04_train", "04_train.py")
+
+        def progress():
+            manifest = read_manifest(self.layout, "04_train") or {}
+            return manifest.get("state"), manifest.get("result"), read_consumed(self.layout.hidden_consumed)
+
+        while (read_manifest(self.layout, "04_train") or {}).get("state") != "complete":
+            before = progress()
+            self.stage("02_extract_hidden", "02_extract_hidden.py")
+            self.stage("04_train", "04_train.py")
+            if progress() == before:
+                raise PipelineError("02 and 04 made no progress in a round (see their logs); fix the cause and rerun")
+
     def run(self) -> str:
         """All stages in order; returns the summary title."""
         steps = [
             ("01_prepare_data", lambda: self.stage("01_prepare_data", "01_prepare_data.py")),
             ("01b_generate_synthetic", self.generate),
-            *[(name, lambda name=name: self.stage(name, f"{name}.py"))
-              for name in ("02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate")],
+            *[(name, lambda name=name: self.stage(name, f"{name}.py")) for name in ("02_extract_hidden", "03_build_vocab_map")],
+            ("04_train", self.train),
+            ("05_evaluate", lambda: self.stage("05_evaluate", "05_evaluate.py")),
         ]
         self.target()
         for name, step in steps:

@@ -126,6 +126,10 @@ class ExtractConfig:
     shard_max_tokens: Annotated[int, Positive] = 262144  # tokens per output shard
     device: Literal["auto", "cpu", "cuda"] = "auto"
     min_free_disk_gb: Annotated[float, NonNegative] = 1.0  # head-room kept free on top of the estimate
+    # The most the hidden-state shards may take on disk. When the data set does not fit, 02 and 04 alternate
+    # in rounds: a seeded random share of the train samples per round, re-extracted per epoch, each round
+    # deleted once trained (docs/design.md#rounds-under-a-disk-budget). null = no bound (one extraction).
+    max_disk_gb: Optional[Annotated[float, Range(gt=0)]] = None
     verify: Literal["sha256", "size"] = "sha256"  # how a rerun checks existing shards: sha256 (full read) | size (fast, huge runs)
     # Who runs the target: vllm (its extract_hidden_states method: TP/EP, quantized MoE kernels, MLA),
     # hf (transformers + hooks: the reference, and for targets vLLM cannot run); auto = vllm where installed.

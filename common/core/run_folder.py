@@ -114,6 +114,11 @@ class Layout:
     def hidden_plan(self) -> Path:
         return self.hidden / "plan.json"
 
+    @property
+    def hidden_consumed(self) -> Path:
+        """Rounds mode: the rounds 04 has trained on and deleted (written by 04, read by 02)."""
+        return self.hidden / "consumed.json"
+
     def shard(self, k: int) -> Path:
         return self.hidden / f"shard-{k:05d}.safetensors"
 

@@ -75,8 +75,8 @@ from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
 from common.core.run_folder import Layout, StageManifest
-from common.hidden.shards import (FORMAT_VERSION, build_index, check_format_version, describe_bytes_per_token, index_header,
-                                  read_entries, shard_entry, verify_entry, write_fragment, write_index, write_shard)
+from common.hidden.shards import (FORMAT_VERSION, build_index, bytes_per_token, check_format_version, describe_bytes_per_token, index_header,
+                                  read_consumed, read_entries, rounds_on_disk, shard_entry, verify_entry, write_fragment, write_index, write_shard)
 
 if TYPE_CHECKING:  # torch is imported only when the stage runs
     from common.core.distributed import DistEnv
@@ -174,17 +174,17 @@ def shard_order(samples: list[InputSample]) -> list[InputSample]:
     return sorted(samples, key=lambda s: (-s.length, s.position))
 
 
-def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int, layout: Layout) -> list[dict]:
+def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int, layout: Layout, first: int = 0) -> list[dict]:
     """Cut each split, in input order, into runs of samples with at most shard_max_tokens tokens.
-    Shard k is the file Layout.shard(k)."""
+    Shard k is the file Layout.shard(first + k)."""
     shards: list[dict] = []
 
     def close(scan: SplitScan, run: list[InputSample]) -> None:
-        first, last = run[0].position, run[-1].position
+        first_sample, last = run[0].position, run[-1].position
         shards.append({
-            "file": layout.shard(len(shards)).name,
+            "file": layout.shard(first + len(shards)).name,
             "split": scan.split,
-            "byte_start": scan.line_offsets[first],
+            "byte_start": scan.line_offsets[first_sample],
             "byte_end": scan.line_offsets[last + 1],
             "num_samples": len(run),
             "num_tokens": sum(s.length for s in run),
@@ -204,8 +204,94 @@ def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int, layout: Layo
     return shards
 
 
+SHARD_OVERHEAD = 1024  # a shard's safetensors header, at most (the sample offsets are counted per sample)
+
+
+def sample_bytes(length: int, per_token: int) -> int:
+    """What one sample takes in a shard: its rows and its sample_offsets entry."""
+    return length * per_token + 8
+
+
+def plan_rounds(cfg, train: SplitScan, eval_scans: list[SplitScan], per_token: int, layout: Layout
+                ) -> tuple[list[dict], list[dict], int] | None:
+    """Rounds mode (extract.max_disk_gb): (train shards, rounds, eval bytes), or None when the whole data set fits.
+
+    Per epoch, a seeded permutation (train.seed, epoch) of the train samples is cut into rounds whose shards
+    fit the budget next to the eval shards (kept from the first round to the last), and each round into
+    shards of at most extract.shard_max_tokens tokens. A round is a fair random share of the data; epoch e+1
+    re-extracts in another order (docs/design.md#rounds-under-a-disk-budget)."""
+    import numpy as np
+
+    budget = int(cfg.extract.max_disk_gb * 1e9)
+    shard_max = cfg.extract.shard_max_tokens
+    eval_bytes = sum(sample_bytes(s.length, per_token) for sc in eval_scans for s in sc.samples)
+    eval_bytes += SHARD_OVERHEAD * sum(-(-sum(s.length for s in sc.samples) // shard_max) + 1 for sc in eval_scans)
+    train_bytes = sum(sample_bytes(s.length, per_token) for s in train.samples) + SHARD_OVERHEAD * (len(train.samples) // 2 + 1)
+    if eval_bytes + train_bytes <= budget:
+        return None
+    capacity = budget - eval_bytes
+    largest = max(sample_bytes(s.length, per_token) for s in train.samples) + SHARD_OVERHEAD
+    if capacity < largest:
+        raise ConfigError(
+            f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} cannot hold the eval shards ({format_bytes(eval_bytes)}) and the "
+            f"longest train sample ({format_bytes(largest)}); raise extract.max_disk_gb to at least "
+            f"{(eval_bytes + largest) / 1e9:.3g} (a few rounds' worth is better: each round restarts the engine)")
+    shards: list[dict] = []
+    rounds: list[dict] = []
+    for epoch in range(cfg.train.epochs):
+        order = np.random.default_rng([cfg.train.seed, epoch]).permutation(len(train.samples))
+        run: list[InputSample] = []
+        run_tokens = run_bytes = 0  # the open shard's
+        files: list[str] = []
+        used = 0  # bytes of the round's closed shards
+
+        def close_shard() -> None:
+            nonlocal run, run_tokens, run_bytes, used
+            if run:
+                ordered = shard_order(run)
+                shards.append({
+                    "file": layout.shard(len(shards)).name, "split": "train", "epoch": epoch, "round": len(rounds),
+                    "lines": [[train.line_offsets[x.position], train.line_offsets[x.position + 1]] for x in ordered],
+                    "num_samples": len(run), "num_tokens": run_tokens,
+                    "sample_ids": [x.id for x in ordered], "lengths": [x.length for x in ordered]})
+                files.append(shards[-1]["file"])
+                used += run_bytes + SHARD_OVERHEAD
+                run, run_tokens, run_bytes = [], 0, 0
+
+        def close_round() -> None:
+            nonlocal files, used
+            close_shard()
+            if files:
+                mine = shards[-len(files):]
+                rounds.append({"epoch": epoch, "shards": files, "num_samples": sum(sh["num_samples"] for sh in mine),
+                               "num_tokens": sum(sh["num_tokens"] for sh in mine), "bytes": used})
+                files, used = [], 0
+
+        for k in order.tolist():
+            sample = train.samples[k]
+            size = sample_bytes(sample.length, per_token)
+            if run and run_tokens + sample.length > shard_max:
+                close_shard()
+            if used + run_bytes + SHARD_OVERHEAD + size > capacity:
+                close_round()
+            run.append(sample)
+            run_tokens += sample.length
+            run_bytes += size
+        close_round()
+    return shards, rounds, eval_bytes
+
+
 def read_shard_samples(path: Path, shard: dict) -> list[dict]:
     """The shard's samples from the input file, in shard order (as the plan lists them)."""
+    if "lines" in shard:  # rounds mode: a random share of the file, one byte range per sample
+        with open(path, "rb") as f:
+            rows = []
+            for start, end in shard["lines"]:
+                f.seek(start)
+                rows.append(parse_sample(f.read(end - start), path, 0))
+        if [r["id"] for r in rows] != shard["sample_ids"]:
+            raise DataError(f"{path} changed since hidden/plan.json was made; rerun 02_extract_hidden.py with --overwrite")
+        return rows
     with open(path, "rb") as f:
         f.seek(shard["byte_start"])
         data = f.read(shard["byte_end"] - shard["byte_start"])
@@ -251,6 +337,9 @@ def _settings(cfg, info) -> dict:
         "shard_max_tokens": cfg.extract.shard_max_tokens,
         # only when not "full": run folders made before extract.storage existed stay complete
         **({"storage": cfg.extract.storage} if cfg.extract.storage != "full" else {}),
+        # rounds under a disk budget: the rounds are cut per epoch from a permutation seeded by train.seed
+        **({"max_disk_gb": cfg.extract.max_disk_gb, "epochs": cfg.train.epochs, "seed": cfg.train.seed}
+           if cfg.extract.max_disk_gb is not None else {}),
     }
 
 
@@ -278,26 +367,50 @@ def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
     # Changed inputs or settings since the plan was made: one error asking for --overwrite.
     stage_manifest(cfg, info).begin(overwrite, outputs=[layout.hidden_index], started=plan_path.is_file())
     plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, layout)
-    good = verified_shards(cfg, layout, plan)
-    todo = [s["file"] for s in plan["shards"] if s["file"] not in good]
     header = index_header(plan["settings"], cfg.target.model, plan["inputs"])
+    wanted, note = [s["file"] for s in plan["shards"]], None
+    kept: dict[str, dict] = {}  # index entries of shards 04 has consumed (and deleted): they stay listed
+    if "rounds" in plan:
+        wanted, kept, note = round_shards_wanted(layout, plan)
+    good = verified_shards(cfg, layout, plan, set(wanted))
+    todo = [f for f in wanted if f not in good]
+    entries = {**kept, **good}
     if not todo:
-        index = build_index(header, plan["shards"], good)
+        index = build_index(header, plan["shards"], entries)
         if not layout.hidden_index.is_file() or read_json(layout.hidden_index) != index:
             write_index(layout.hidden_index, index)
         for frag in layout.index_fragments():
             frag.unlink(missing_ok=True)
-        return {"status": "complete", "plan": plan, "entries": good, "todo": [], "header": header}
+        return {"status": "complete", "plan": plan, "entries": entries, "todo": [], "header": header, "note": note}
     check_disk_for(cfg, layout, plan, header, todo)
-    write_index(layout.hidden_index, build_index(header, plan["shards"], good))
-    return {"status": "todo", "plan": plan, "entries": good, "todo": todo, "header": header}
+    write_index(layout.hidden_index, build_index(header, plan["shards"], entries))
+    return {"status": "todo", "plan": plan, "entries": entries, "todo": todo, "header": header, "note": note}
+
+
+def round_shards_wanted(layout: Layout, plan: dict) -> tuple[list[str], dict[str, dict], str]:
+    """Rounds mode: the shards that should be on disk now (the eval shards and the next rounds that fit
+    the budget), the index entries of the consumed rounds' shards, and what to tell the user."""
+    consumed = read_consumed(layout.hidden_consumed)
+    rounds = plan["rounds"]
+    now = rounds_on_disk(plan, consumed)
+    entries = read_entries(layout.hidden_index, layout.index_fragments())
+    gone = {f for r in consumed for f in rounds[r]["shards"]}
+    kept = {f: e for f, e in entries.items() if f in gone}
+    wanted = [s["file"] for s in plan["shards"] if s["split"] != "train" or s.get("round") in now]
+    if now:
+        which = f"round {now[0] + 1}" if len(now) == 1 else f"rounds {now[0] + 1}-{now[-1] + 1}"
+        note = (f"{which} of {len(rounds)} (epoch {rounds[now[0]]['epoch'] + 1}) extracted; run 04_train.py to train on it "
+                f"(it deletes it), then 02 again for the next one (run_pipeline.py alternates them)")
+    else:
+        note = f"all {len(rounds)} rounds extracted and trained on; nothing left to extract"
+    return wanted, kept, note
 
 
 def clear_outputs(layout: Layout, overwrite: bool) -> None:
     """--overwrite: remove everything 02 wrote; always: temp files a killed run left behind."""
     hidden_dir = layout.hidden
     if overwrite and hidden_dir.exists():
-        for p in layout.shard_files() + [layout.hidden_index, *layout.index_fragments(), layout.hidden_plan]:
+        for p in layout.shard_files() + [layout.hidden_index, *layout.index_fragments(), layout.hidden_plan, layout.hidden_consumed]:
             p.unlink(missing_ok=True)
     hidden_dir.mkdir(parents=True, exist_ok=True)
     for tmp in hidden_dir.glob(".tmp-*"):  # never visible under a final name
@@ -323,22 +436,38 @@ def make_plan(cfg, info, paths: dict[str, Path], layout: Layout) -> dict:
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise DataError(f"sample id '{dup}' appears more than once in data/train.jsonl + data/eval.jsonl; ids must be unique")
+    settings = _settings(cfg, info)
+    per_token = bytes_per_token(len(info.aux_layer_ids), info.hidden_size, cfg.extract.dtype, cfg.extract.storage)
+    in_rounds = plan_rounds(cfg, scans[0], scans[1:], per_token, layout) if cfg.extract.max_disk_gb is not None else None
+    if in_rounds is None:
+        shards, rounds = make_plan_shards(scans, cfg.extract.shard_max_tokens, layout), None
+    else:
+        train_shards, rounds, eval_bytes = in_rounds
+        shards = train_shards + make_plan_shards(scans[1:], cfg.extract.shard_max_tokens, layout, first=len(train_shards))
     plan = {
         "format_version": FORMAT_VERSION,
-        "settings": _settings(cfg, info),
+        "settings": settings,
         "batch_max_tokens": cfg.extract.batch_max_tokens,
         "inputs": {scan.split: {"file": layout.name(scan.path), "sha256": scan.sha256, "num_samples": len(scan.samples),
                                 "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
-        "shards": make_plan_shards(scans, cfg.extract.shard_max_tokens, layout),
+        "shards": shards,
     }
+    if rounds is not None:
+        plan["rounds"] = rounds
+        plan["max_disk_bytes"] = int(cfg.extract.max_disk_gb * 1e9)
+        plan["eval_bytes"] = eval_bytes
+        epochs = cfg.train.epochs
+        print(f"02_extract_hidden: the data set does not fit extract.max_disk_gb={cfg.extract.max_disk_gb:g}: {len(rounds)} rounds "
+              f"for {epochs} epoch(s) (~{len(rounds) / epochs:.1f} per epoch, up to {format_bytes(max(r['bytes'] for r in rounds))} "
+              f"each); 02 extracts a round, 04 trains on it and deletes it (run_pipeline.py alternates them)", flush=True)
     atomic_write_json(layout.hidden_plan, plan)
     return plan
 
 
-def verified_shards(cfg, layout: Layout, plan: dict) -> dict[str, dict]:
-    """The index entries of the planned shards that are on disk and sound (extract.verify)."""
+def verified_shards(cfg, layout: Layout, plan: dict, wanted: set[str]) -> dict[str, dict]:
+    """The index entries of the wanted planned shards that are on disk and sound (extract.verify)."""
     entries = read_entries(layout.hidden_index, layout.index_fragments())
-    planned = {s["file"]: s for s in plan["shards"]}
+    planned = {s["file"]: s for s in plan["shards"] if s["file"] in wanted}
     good: dict[str, dict] = {}
     to_hash = sum(e.get("bytes") or 0 for n, e in entries.items() if n in planned) if cfg.extract.verify == "sha256" else 0
     with bytes_bar(to_hash, "02 verify shards (sha256)") as bar:  # hours at Kimi scale
@@ -396,11 +525,14 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
         plan, header = setup["plan"], setup["header"]
         if setup["status"] == "complete":
             index = build_index(header, plan["shards"], setup["entries"])
-            if env.is_main:
+            if env.is_main and setup["note"] and not index["complete"]:  # rounds: this round is there, 04's turn
+                print(f"02_extract_hidden: {setup['note']}", flush=True)
+                stage_manifest(cfg, info).partial({"num_shards": index["num_shards"]}, outcome="round_done")
+            elif env.is_main:
                 print(f"02_extract_hidden: already complete ({index['num_shards']} shards, {index['num_tokens']:,} tokens, "
                       f"{format_bytes(index['bytes'])}) in {hidden_dir}; use --overwrite to redo", flush=True)
                 stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
-            return {"status": "complete", **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
+            return {"status": "complete", "complete": index["complete"], **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 
         # shard k (plan order, the file Layout.shard(k)) goes to rank k % world_size
         owner = {s["file"]: k % env.world_size for k, s in enumerate(plan["shards"])}
@@ -416,14 +548,20 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
             if index["complete"]:
                 for frag in layout.index_fragments():
                     frag.unlink(missing_ok=True)
-            print(f"02_extract_hidden: {'done' if index['complete'] else 'INCOMPLETE'}: {index['num_shards']}/{index['num_planned_shards']} "
+            state = "done" if index["complete"] else "round done" if setup["note"] else "INCOMPLETE"
+            print(f"02_extract_hidden: {state}: {index['num_shards']}/{index['num_planned_shards']} "
                   f"shards, {index['num_tokens']:,} tokens (train {index['splits']['train']['num_samples']} / eval "
                   f"{index['splits']['eval']['num_samples']} samples), {format_bytes(index['bytes'])} in {hidden_dir}; "
                   f"this run: {summary['tokens']:,} tokens in {summary['seconds']:.1f} s = {summary['tokens_per_s']:,.0f} tok/s, "
                   f"{format_bytes(summary['bytes'])} written", flush=True)
+            if setup["note"]:
+                print(f"02_extract_hidden: {setup['note']}", flush=True)
             summary["complete"] = index["complete"]
             manifest = stage_manifest(cfg, info)
-            (manifest.complete if index["complete"] else manifest.partial)({"num_shards": index["num_shards"]})
+            if index["complete"]:
+                manifest.complete({"num_shards": index["num_shards"]})
+            else:
+                manifest.partial({"num_shards": index["num_shards"]}, outcome="round_done" if setup["note"] else "partial")
         return summary
     finally:
         close_distributed(env)

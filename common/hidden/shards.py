@@ -294,6 +294,61 @@ def read_entries(index_path: Path, fragment_paths: Iterable[Path] = ()) -> dict[
 
 
 # ---------------------------------------------------------------------------------------------
+# Rounds under a disk budget (docs/design.md#rounds-under-a-disk-budget): plan.json's "rounds" list
+# which train shards form round r (and its epoch); 04 records the rounds it has trained on and deleted
+# in consumed.json, which 02 reads to know which round comes next.
+# ---------------------------------------------------------------------------------------------
+
+
+def load_plan_rounds(plan_path: Path) -> Optional[dict]:
+    """plan.json when 02 planned rounds (its "rounds", "max_disk_bytes", "eval_bytes" and the shards'
+    "round", "sample_ids", "lengths"), else None."""
+    if not plan_path.is_file():
+        return None
+    plan = read_json(plan_path)
+    check_format_version(plan, plan_path)
+    return plan if "rounds" in plan else None
+
+
+def round_files(plan: dict, r: int) -> list[str]:
+    """What round r trains from: its shards and the eval shards, in plan order."""
+    mine = set(plan["rounds"][r]["shards"])
+    return [s["file"] for s in plan["shards"] if s["file"] in mine or s["split"] != "train"]
+
+
+def read_consumed(path: Path) -> set[int]:
+    """The rounds 04 has trained on and deleted (Layout.hidden_consumed); none when the file is absent."""
+    if not path.is_file():
+        return set()
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return {int(r) for r in doc["rounds"]}
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{path} is unreadable; it lists the rounds 04 has trained on: delete it and rerun 04_train.py "
+                        f"(it rewrites it from its checkpoint)") from None
+
+
+def write_consumed(path: Path, rounds: Iterable[int]) -> None:
+    atomic_write_json(path, {"rounds": sorted(set(rounds))})
+
+
+def rounds_on_disk(plan: dict, consumed: set[int]) -> list[int]:
+    """The rounds whose shards should be on disk now: the first one not consumed, and the ones after it
+    while they fit plan["max_disk_bytes"] together (the eval shards are part of every round's budget)."""
+    rounds, budget = plan["rounds"], plan["max_disk_bytes"]
+    pending = [r for r in range(len(rounds)) if r not in consumed]
+    if not pending:
+        return []
+    chosen, used = [pending[0]], plan["eval_bytes"] + rounds[pending[0]]["bytes"]
+    for r in pending[1:]:
+        if r != chosen[-1] + 1 or used + rounds[r]["bytes"] > budget:
+            break
+        chosen.append(r)
+        used += rounds[r]["bytes"]
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
 # Verification of the bytes on disk against the index
 # ---------------------------------------------------------------------------------------------
 
@@ -391,19 +446,27 @@ class HiddenIndex:
         return [self.aux_layer_ids, [(s.file, s.num_tokens, s.sample_ids[:1], len(s.sample_ids)) for s in self.shards]]
 
     @classmethod
-    def load(cls, index_path: str | Path) -> "HiddenIndex":
+    def load(cls, index_path: str | Path, files: Optional[list[str]] = None) -> "HiddenIndex":
         """Read index.json (Layout.hidden_index): complete, in a readable format_version, and every
-        shard's header consistent with its entry (cheap: only sample_offsets is read)."""
+        shard's header consistent with its entry (cheap: only sample_offsets is read).
+        files (rounds mode): only these shards, which must all be indexed; the rest may be gone or not
+        written yet."""
         index_path = Path(index_path)
         if not index_path.is_file():
             raise DataError(f"no hidden-state index at {index_path}; run 02_extract_hidden.py first")
         raw = read_json(index_path)
         check_format_version(raw, index_path)
-        if not raw.get("complete", False):
+        if files is None and not raw.get("complete", False):
             raise DataError(f"{index_path} says the extraction is incomplete (complete=false); {RERUN_02}")
         for key in ("aux_layer_ids", "target_hidden_size", "shards"):
             if key not in raw:
                 raise DataError(f"{index_path} has no '{key}' field; {RERUN_02} with --overwrite")
+        if files is not None:
+            listed = {e["file"]: e for e in raw["shards"]}
+            missing = [f for f in files if f not in listed]
+            if missing:
+                raise DataError(f"{index_path} does not list {missing[0]} yet; {RERUN_02}")
+            raw = {**raw, "shards": [listed[f] for f in files]}
         aux_ids = [int(k) for k in raw["aux_layer_ids"]]
         h_t = int(raw["target_hidden_size"])
         storage = storage_of(raw)

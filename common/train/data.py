@@ -200,18 +200,30 @@ class DataPosition:
         return cls(int(d["epoch"]), int(d["micro_batch"]))
 
 
+@dataclass
+class Round:
+    """Rounds mode (extract.max_disk_gb): one round's train samples, as 02's plan cut them."""
+
+    epoch: int
+    sample_ids: list[str]  # in index order (the round's shards in plan order, each in shard order)
+    lengths: list[int]
+
+
 class TrainData:
-    """The train split as a deterministic sequence of packed micro-batches per epoch."""
+    """The train split as a deterministic sequence of packed micro-batches per round.
+
+    A round is a set of train samples packed with seed (train.seed, round). Without a disk budget every
+    epoch is one round over the whole train split (round r = epoch r). In rounds mode (`rounds` given,
+    from 02's plan) round r is a random share of one epoch's samples, and `index` holds only the shards
+    of the round being trained (use_index swaps it when the next round is on disk); the packing and the
+    step counts of every round come from the plan's lengths, so the whole schedule is known up front.
+    DataPosition.epoch is the round."""
 
     def __init__(self, index: HiddenIndex, batch_max_tokens: int, seed: int, *, world_size: int = 1, rank: int = 0,
                  grad_accum: int = 1, dtype: torch.dtype = torch.float32, num_workers: int = 0, pin_memory: bool = False,
-                 window: int = 4096, split: str = "train"):
-        self.index = index
-        self.samples = index.split_indices(split)
-        self._train_position = {i: k for k, i in enumerate(self.samples)}  # index sample -> ledger position
-        if not self.samples:
-            raise DataError(f"no '{split}' samples in {index.path}; check data/{split}.jsonl and rerun 02")
-        self.lengths = np.array([index.samples[i].length for i in self.samples], dtype=np.int64)
+                 window: int = 4096, split: str = "train", rounds: list[Round] | None = None):
+        self.split, self.dtype, self.pin_memory = split, dtype, pin_memory
+        self.rounds = rounds
         self.budget = batch_max_tokens
         self.seed = seed
         self.world_size = world_size
@@ -219,29 +231,71 @@ class TrainData:
         self.grad_accum = grad_accum
         self.window = window
         self.num_workers = num_workers
-        self.reader = MicroBatchReader(index, dtype=dtype, pin_memory=pin_memory)
+        self._sizes: dict[int, int] = {}
+        self.use_index(index)
+        for r in range(len(rounds)) if rounds is not None else [0]:  # validates lengths against the budget at startup
+            self.steps_in_epoch(r)
+
+    def use_index(self, index: HiddenIndex) -> None:
+        """Read from `index` from now on (rounds mode: the shards of the round about to be trained)."""
+        self.index = index
+        self.samples = index.split_indices(self.split)
+        if not self.samples and self.rounds is None:  # rounds mode: none until 02 has extracted a round
+            raise DataError(f"no '{self.split}' samples in {index.path}; check data/{self.split}.jsonl and rerun 02")
+        self.lengths = np.array([index.samples[i].length for i in self.samples], dtype=np.int64)
+        self._index_of = {index.samples[i].sample_id: i for i in self.samples}
+        self.reader = MicroBatchReader(index, dtype=self.dtype, pin_memory=self.pin_memory)
         self._loss_positions = np.full(len(index.samples), -1, dtype=np.int64)  # filled lazily
         self._epochs: dict[int, list[list[int]]] = {}
-        self._epoch_sizes: dict[int, int] = {}
-        self.epoch_micro_batches(0)  # validates lengths against the budget at startup
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    @property
+    def num_rounds(self) -> int | None:
+        return len(self.rounds) if self.rounds is not None else None
+
+    def epoch_of(self, r: int) -> int:
+        return self.rounds[r].epoch if self.rounds is not None else r
+
+    def round_ids(self, r: int) -> list[str]:
+        if self.rounds is not None:
+            return self.rounds[r].sample_ids
+        return [self.index.samples[i].sample_id for i in self.samples]
+
+    def _round_lengths(self, r: int) -> np.ndarray:
+        return np.asarray(self.rounds[r].lengths, dtype=np.int64) if self.rounds is not None else self.lengths
+
+    def _round_samples(self, r: int) -> list[int]:
+        if self.rounds is None:
+            return self.samples
+        try:
+            return [self._index_of[sid] for sid in self.rounds[r].sample_ids]
+        except KeyError:
+            raise DataError(f"round {r + 1} is not in {self.index.path}; rerun 02_extract_hidden.py") from None
+
+    # -- the ledger ------------------------------------------------------------------------
 
     def new_ledger(self) -> SampleLedger:
-        """An empty ledger over the train samples (in this order: self.samples)."""
-        return SampleLedger([self.index.samples[i].sample_id for i in self.samples])
+        """An empty ledger over the train samples (rounds mode: every sample of the first epoch's rounds)."""
+        if self.rounds is None:
+            return SampleLedger(self.round_ids(0))
+        return SampleLedger([sid for rd in self.rounds if rd.epoch == self.rounds[0].epoch for sid in rd.sample_ids])
 
     def record_step(self, ledger: SampleLedger, pos: DataPosition) -> None:
         """Count the samples of the global step at `pos` as trained in its epoch."""
-        ledger.record(pos.epoch, (self._train_position[i] for mb in self.step_global_micro_batches(pos) for i in mb))
+        ledger.record_ids(self.epoch_of(pos.epoch),
+                          (self.index.samples[i].sample_id for mb in self.step_global_micro_batches(pos) for i in mb))
 
     def ledger_at(self, pos: DataPosition) -> SampleLedger:
-        """The ledger of a run that stopped at `pos`: every earlier epoch whole (positions only move to
-        the next epoch after the last micro-batch), and the first pos.micro_batch of pos's epoch."""
+        """The ledger of a run that stopped at `pos`: every earlier round whole (positions only move to
+        the next round after the last micro-batch), and the first pos.micro_batch of pos's round."""
         ledger = self.new_ledger()
-        for epoch in range(pos.epoch):
-            ledger.record(epoch, range(len(self.samples)))
+        for r in range(pos.epoch):
+            ledger.record_ids(self.epoch_of(r), self.round_ids(r))
         if pos.micro_batch:
-            consumed = self.epoch_micro_batches(pos.epoch)[: pos.micro_batch]
-            ledger.record(pos.epoch, (self._train_position[i] for mb in consumed for i in mb))
+            ids = self.round_ids(pos.epoch)
+            packed = pack_micro_batches(self._round_lengths(pos.epoch), self.budget, self.seed, pos.epoch, self.window)
+            ledger.record_ids(self.epoch_of(pos.epoch), (ids[k] for mb in packed[: pos.micro_batch] for k in mb))
         return ledger
 
     @property
@@ -250,25 +304,36 @@ class TrainData:
 
     @property
     def num_tokens(self) -> int:
+        """Train tokens of one epoch."""
+        if self.rounds is not None:
+            return int(sum(sum(rd.lengths) for rd in self.rounds if rd.epoch == self.rounds[0].epoch))
         return int(self.lengths.sum())
 
     def epoch_micro_batches(self, epoch: int) -> list[list[int]]:
-        """The global micro-batches of an epoch, as lists of sample indices into index.samples."""
+        """The global micro-batches of a round (= an epoch without a disk budget), as lists of sample
+        indices into index.samples."""
         if epoch not in self._epochs:
-            packed = pack_micro_batches(self.lengths, self.budget, self.seed, epoch, self.window)
-            # keep two epochs: the prefetcher may run into the next one while the loop finishes this one
+            packed = pack_micro_batches(self._round_lengths(epoch), self.budget, self.seed, epoch, self.window)
+            samples = self._round_samples(epoch)
+            # keep two rounds: the prefetcher may run into the next one while the loop finishes this one
             self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
-            self._epochs[epoch] = [[self.samples[i] for i in mb] for mb in packed]
-            self._epoch_sizes[epoch] = len(packed)
+            self._epochs[epoch] = [[samples[i] for i in mb] for mb in packed]
+            self._sizes[epoch] = len(packed)
         return self._epochs[epoch]
 
     def steps_in_epoch(self, epoch: int) -> int:
-        if epoch not in self._epoch_sizes:
-            self.epoch_micro_batches(epoch)
-        return math.ceil(self._epoch_sizes[epoch] / self.micro_per_step)
+        """Optimizer steps in a round (from the lengths alone: known for rounds not on disk yet)."""
+        if epoch not in self._sizes:
+            self._sizes[epoch] = len(pack_micro_batches(self._round_lengths(epoch), self.budget, self.seed, epoch, self.window))
+        return math.ceil(self._sizes[epoch] / self.micro_per_step)
+
+    def steps_left_in_round(self, pos: DataPosition) -> int:
+        self.steps_in_epoch(pos.epoch)
+        return math.ceil((self._sizes[pos.epoch] - pos.micro_batch) / self.micro_per_step)
 
     def total_steps(self, epochs: int) -> int:
-        return sum(self.steps_in_epoch(e) for e in range(epochs))
+        """Steps of `epochs` epochs; rounds mode: of every planned round (02 planned train.epochs)."""
+        return sum(self.steps_in_epoch(r) for r in range(self.num_rounds if self.rounds is not None else epochs))
 
     def step_micro_batches(self, pos: DataPosition) -> tuple[list[list[int]], list[bool], DataPosition]:
         """This rank's micro-batches for the optimizer step at `pos`, whether each one is real, and the

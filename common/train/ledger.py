@@ -23,6 +23,7 @@ LEDGER_FILE = "ledger.json"
 class SampleLedger:
     def __init__(self, sample_ids: list[str]):
         self.sample_ids = list(sample_ids)
+        self.position = {sid: k for k, sid in enumerate(self.sample_ids)}
         self.epochs: list[np.ndarray] = []  # per epoch, int32 [num samples]
 
     def record(self, epoch: int, positions: Iterable[int]) -> None:
@@ -30,6 +31,9 @@ class SampleLedger:
         while len(self.epochs) <= epoch:
             self.epochs.append(np.zeros(len(self.sample_ids), dtype=np.int32))
         np.add.at(self.epochs[epoch], np.fromiter(positions, dtype=np.int64), 1)
+
+    def record_ids(self, epoch: int, sample_ids: Iterable[str]) -> None:
+        self.record(epoch, (self.position[sid] for sid in sample_ids))
 
     def to_json(self) -> str:
         return json.dumps({"sample_ids": self.sample_ids, "epochs": [c.tolist() for c in self.epochs]}, separators=(",", ":"))

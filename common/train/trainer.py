@@ -61,9 +61,10 @@ from common.target.loading import load_target_info, load_target_tensors
 from common.train.optim import build_optimizer, lr_at, set_lr
 from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
-from common.train.data import DataPosition, TrainData
+from common.train.data import DataPosition, Round, TrainData
 from common.train.ledger import LEDGER_FILE, SampleLedger
-from common.hidden.shards import HiddenIndex, verify_shard_files
+from common.hidden.shards import (HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
+                                  write_consumed)
 from common.model.ttt import ttt_loss
 
 
@@ -110,8 +111,11 @@ class Trainer:
         self.cfg, self.env, self.t = cfg, env, cfg.train
         self.layout = layout = Layout.of(cfg)
 
-        # Inputs, validated before anything is written.
-        self.index = HiddenIndex.load(layout.hidden_index)
+        # Inputs, validated before anything is written. Rounds mode (02 planned rounds under
+        # extract.max_disk_gb): the index holds the round on disk; open_round() moves to the next.
+        self.plan = load_plan_rounds(layout.hidden_plan)
+        self.round_loaded: Optional[int] = None  # rounds mode: the round whose shards self.index holds
+        self.index = HiddenIndex.load(layout.hidden_index, self.first_files_on_disk() if self.plan else None)
         self.info = load_target_info(cfg.target)
         if list(self.info.aux_layer_ids) != list(self.index.aux_layer_ids):
             raise ConfigError(
@@ -131,17 +135,91 @@ class Trainer:
         self.on_gpu = env.device.type == "cuda"
         t = self.t
         self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank,
-                              grad_accum=t.grad_accum, dtype=self.dtype, num_workers=t.num_workers, pin_memory=self.on_gpu)
+                              grad_accum=t.grad_accum, dtype=self.dtype, num_workers=t.num_workers, pin_memory=self.on_gpu,
+                              rounds=self.plan_rounds())
         self.total_steps = t.max_steps or self.data.total_steps(t.epochs)
+        data_id = self.index.fingerprint() if self.plan is None else [
+            self.index.aux_layer_ids, [(r["epoch"], r["shards"], r["num_tokens"]) for r in self.plan["rounds"]]]
         # What a checkpoint must agree with to be resumable (hyper-parameters like lr may change).
         self.fingerprint = fingerprint({
-            "draft": dataclasses.asdict(self.draft_cfg), "data": self.index.fingerprint(),
+            "draft": dataclasses.asdict(self.draft_cfg), "data": data_id,
             "d2t": hashlib.sha256(self.d2t.numpy().tobytes()).hexdigest(),
             "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
         })
         self.K = t.ttt_steps
         # printed: the served k (05's) and all steps; eval_report.json has every k = 1..ttt_steps
         self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
+
+    # -- rounds under a disk budget (docs/design.md#rounds-under-a-disk-budget) ---------------
+
+    def plan_rounds(self) -> Optional[list[Round]]:
+        if self.plan is None:
+            return None
+        planned = self.plan["settings"].get("epochs")
+        if planned != self.t.epochs:
+            raise ConfigError(f"02 planned its rounds for train.epochs={planned} but the config says {self.t.epochs}; set "
+                              f"train.epochs back, or rerun 02_extract_hidden.py --overwrite (it plans the rounds again)")
+        by_file = {s["file"]: s for s in self.plan["shards"]}
+        return [Round(r["epoch"], [sid for f in r["shards"] for sid in by_file[f]["sample_ids"]],
+                      [n for f in r["shards"] for n in by_file[f]["lengths"]]) for r in self.plan["rounds"]]
+
+    def round_on_disk(self, r: int) -> bool:
+        """Whether round r's shards (and the eval shards) are all indexed and on disk."""
+        listed = read_entries(self.layout.hidden_index)
+        return all(f in listed and (self.layout.hidden / f).is_file() for f in round_files(self.plan, r))
+
+    def first_files_on_disk(self) -> list[str]:
+        """The files of the first round not consumed that is on disk (else just the eval shards): what the
+        trainer starts from before it knows its position."""
+        consumed = read_consumed(self.layout.hidden_consumed)
+        for r in range(len(self.plan["rounds"])):
+            if r not in consumed and self.round_on_disk(r):
+                self.round_loaded = r
+                return round_files(self.plan, r)
+        return [s["file"] for s in self.plan["shards"] if s["split"] != "train"]
+
+    def reconcile_rounds(self) -> None:
+        """After a resume: rounds before the position are trained (consumed and deleted, even if a kill came
+        between the checkpoint and the deletion); rounds from it on are not (a checkpoint that fell back
+        past a deleted round has 02 extract it again)."""
+        if self.plan is None:
+            return
+        if self.env.is_main:
+            consumed = read_consumed(self.layout.hidden_consumed)
+            redo = sorted(r for r in consumed if r >= self.pos.epoch)
+            if redo:
+                self.say(f"04_train: rounds {[r + 1 for r in redo]} were deleted after a later checkpoint that is gone; "
+                         f"02 extracts them again")
+            self.consume_rounds(set(range(self.pos.epoch)), keep_out=set(redo))
+        barrier(self.env)
+
+    def consume_rounds(self, rounds: set[int], keep_out: set[int] = frozenset()) -> None:
+        """Rank 0: record `rounds` as trained (consumed.json, which 02 reads), then delete their shards."""
+        consumed = (read_consumed(self.layout.hidden_consumed) | rounds) - set(keep_out)
+        write_consumed(self.layout.hidden_consumed, consumed)
+        for r in rounds:
+            for f in self.plan["rounds"][r]["shards"]:
+                (self.layout.hidden / f).unlink(missing_ok=True)
+
+    def open_round(self) -> bool:
+        """Make the index hold the round at the position; False when 02 has not extracted it yet."""
+        if self.plan is None:
+            return True
+        r = self.pos.epoch
+        if self.round_loaded != r:
+            if not self.round_on_disk(r):
+                return False
+            self.index = HiddenIndex.load(self.layout.hidden_index, round_files(self.plan, r))
+            self.data.use_index(self.index)
+            self.round_loaded = r
+        verify_shard_files(self.index, self.layout, self.env, self.cfg.extract.verify)
+        return True
+
+    def steps_to_round_end(self) -> int:
+        """Steps the stream may run ahead: to the end of the round on disk (rounds mode), else to the end."""
+        if self.plan is None:
+            return self.total_steps - self.step
+        return min(self.data.steps_left_in_round(self.pos), self.total_steps - self.step)
 
     def say(self, *args) -> None:
         if self.env.is_main:
@@ -243,7 +321,8 @@ class Trainer:
             if env.is_main:
                 self.manifest.record("already_complete")
             return 0
-        verify_shard_files(self.index, self.layout, env, self.cfg.extract.verify)
+        if self.plan is None:
+            verify_shard_files(self.index, self.layout, env, self.cfg.extract.verify)
         if env.is_main:
             self.layout.train.mkdir(parents=True, exist_ok=True)
             for stale in self.layout.checkpoint_tmps():
@@ -262,24 +341,46 @@ class Trainer:
         self.tb = TensorBoard(self.layout.tensorboard, env.is_main, purge_step=self.step + 1 if self.step else None)
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not env.is_main, dynamic_ncols=True, desc="04_train")
         self.t_start = time.time()
-        self.batches = self.data.stream(self.pos, self.total_steps - self.step)
+        self.reconcile_rounds()
+        self.batches = None
         self.model.train()
         try:
             while self.step < self.total_steps:
+                if self.batches is None:  # the start, or (rounds mode) a new round
+                    if not self.open_round():
+                        return self.wait_for_round()
+                    self.batches = self.data.stream(self.pos, self.steps_to_round_end())
+                this_round = self.pos.epoch
                 self.train_step()
                 done = self.step == self.total_steps
+                round_done = self.plan is not None and (self.pos.epoch != this_round or done)
                 if self.step % t.log_every == 0 or done:
                     self.log()
                 if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
                     self.last_eval = self.evaluate() or self.last_eval
-                if self.step % t.checkpoint_every == 0 or done:
-                    self.save()
+                if self.step % t.checkpoint_every == 0 or done or round_done:
+                    self.save()  # before a round's shards are deleted: a resume never needs them again
+                if round_done:
+                    if env.is_main:
+                        self.consume_rounds({this_round})
+                    barrier(env)
+                    self.batches = None
             self.bar.close()
             self.finish()
             if env.is_main:
                 self.manifest.complete({"steps": self.step})  # last: train/final is whole
         finally:
             self.close_logs()
+        return 0
+
+    def wait_for_round(self) -> int:
+        """Rounds mode: the next round is not on disk yet. Its checkpoint is saved; 02 extracts it next."""
+        r, rounds = self.pos.epoch, self.plan["rounds"]
+        self.say(f"04_train: {r} of {len(rounds)} rounds trained (step {self.step}/{self.total_steps}); round {r + 1} (epoch "
+                 f"{rounds[r]['epoch'] + 1}) is not extracted yet: run 02_extract_hidden.py, then 04 again "
+                 f"(run_pipeline.py alternates them)")
+        if self.env.is_main:
+            self.manifest.partial({"steps": self.step}, outcome="round_done")
         return 0
 
     def check_outputs(self, overwrite: bool) -> str:
@@ -291,9 +392,13 @@ class Trainer:
             try:
                 if overwrite:
                     clean_train_dir(self.layout)
+                    if self.plan is not None:  # training starts over: 02 extracts the rounds again from the first
+                        write_consumed(self.layout.hidden_consumed, [])
                 layout = self.layout
                 self.manifest = StageManifest(
-                    layout, "04_train", inputs=layout.named(layout.hidden_index, layout.vocab_map),
+                    # rounds mode: the plan, since index.json grows with every round 02 extracts
+                    layout, "04_train", inputs=layout.named(layout.hidden_index if self.plan is None else layout.hidden_plan,
+                                                            layout.vocab_map),
                     settings={"target_model": self.cfg.target.model, "draft": dataclasses.asdict(self.draft_cfg),
                               "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed})
                 decision = self.manifest.begin(overwrite, outputs=[layout.final],
