@@ -529,8 +529,9 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                 print(f"02_extract_hidden: {setup['note']}", flush=True)
                 stage_manifest(cfg, info).partial({"num_shards": index["num_shards"]}, outcome="round_done")
             elif env.is_main:
-                print(f"02_extract_hidden: already complete ({index['num_shards']} shards, {index['num_tokens']:,} tokens, "
-                      f"{format_bytes(index['bytes'])}) in {hidden_dir}; use --overwrite to redo", flush=True)
+                what = (f"all {len(plan['rounds'])} rounds extracted" if "rounds" in plan else
+                        f"{index['num_shards']} shards, {index['num_tokens']:,} tokens, {format_bytes(index['bytes'])}")
+                print(f"02_extract_hidden: already complete ({what}) in {hidden_dir}; use --overwrite to redo", flush=True)
                 stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
             return {"status": "complete", "complete": index["complete"], **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 

@@ -138,6 +138,11 @@ class Trainer:
                               grad_accum=t.grad_accum, dtype=self.dtype, num_workers=t.num_workers, pin_memory=self.on_gpu,
                               rounds=self.plan_rounds())
         self.total_steps = t.max_steps or self.data.total_steps(t.epochs)
+        if self.plan is not None and self.total_steps > self.data.total_steps(t.epochs):
+            raise ConfigError(
+                f"train.max_steps={t.max_steps} is more than the {self.data.total_steps(t.epochs)} steps of the {len(self.plan['rounds'])} "
+                f"rounds 02 planned for train.epochs={t.epochs}; lower train.max_steps, or raise train.epochs and rerun "
+                f"02_extract_hidden.py --overwrite (it plans the rounds again)")
         data_id = self.index.fingerprint() if self.plan is None else [
             self.index.aux_layer_ids, [(r["epoch"], r["shards"], r["num_tokens"]) for r in self.plan["rounds"]]]
         # What a checkpoint must agree with to be resumable (hyper-parameters like lr may change).

@@ -170,7 +170,7 @@ def test_rounds_survive_sigkills_of_02_and_04_at_random_moments(tmp_path):
                         proc.send_signal(signal.SIGKILL)
                         kills[script] += 1
                 assert proc.wait(timeout=600) in (0, -signal.SIGKILL)
-        assert all(k >= 1 for k in kills.values()), kills
+        assert all(k == 3 for k in kills.values()), kills  # three random moments each
         alternate(cfg, run_dir)  # the reruns finish the job
     assert disk.peak <= budget_gb * 1e9 + largest_shard, (disk.peak, budget_gb * 1e9)
     check_ledger(run_dir)
