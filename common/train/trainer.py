@@ -212,7 +212,8 @@ class Trainer:
             return True
         r = self.pos.epoch
         if self.round_loaded != r:
-            if not self.round_on_disk(r):
+            # rank 0 decides: every rank trains the round, or every rank waits for it
+            if not broadcast_object(self.round_on_disk(r) if self.env.is_main else None, self.env):
                 return False
             self.index = HiddenIndex.load(self.layout.hidden_index, round_files(self.plan, r))
             self.data.use_index(self.index)
@@ -491,7 +492,10 @@ class Trainer:
         self.last_train_loss = float(w["loss"]) / n
         self.window.zero_()
         self.window_steps, self.window_time = 0, 0.0
-        epoch = self.pos.epoch + (self.pos.micro_batch / len(self.data.epoch_micro_batches(self.pos.epoch)) if self.pos.micro_batch else 0.0)
+        if self.plan is None:
+            epoch = self.pos.epoch + (self.pos.micro_batch / len(self.data.epoch_micro_batches(self.pos.epoch)) if self.pos.micro_batch else 0.0)
+        else:  # a position is a round: count the epochs in trained samples
+            epoch = float(self.ledger.times_trained().sum()) / max(1, len(self.ledger.sample_ids))
         row = {
             "type": "train", "step": self.step, "epoch": round(epoch, 4), "loss": self.last_train_loss,
             "step_losses": [float(x) / n for x in w["step_losses"]], "step_acc": acc, "lr": self.lr, "grad_norm": self.grad_norm,

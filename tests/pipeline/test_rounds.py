@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import REPO, base_config, make_target, structured_samples, train_env, write_yaml
 
@@ -40,8 +41,10 @@ def build(root: Path, max_disk_gb: float | None) -> Path:
     return write_yaml(root / "run.yaml", cfg)
 
 
-def stage(script: str, cfg: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
+def stage(script: str, cfg: Path, timeout: float = 600, nproc: int = 1) -> subprocess.CompletedProcess:
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc_per_node={nproc}"]
+    res = subprocess.run([*launch, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{script}: {res.stdout[-2000:]}{res.stderr[-3000:]}"
     return res
@@ -52,16 +55,16 @@ def train_state(run_dir: Path) -> str:
     return json.loads(manifest.read_text())["state"] if manifest.is_file() else "none"
 
 
-def alternate(cfg: Path, run_dir: Path, max_rounds: int = 40) -> int:
+def alternate(cfg: Path, run_dir: Path, max_rounds: int = 40, nproc: int = 1) -> int:
     """What run_pipeline.py does: 02, 03, 04, then 02 and 04 until 04 is complete. Returns the 04 runs."""
     stage("02_extract_hidden.py", cfg)
     stage("03_build_vocab_map.py", cfg)
-    stage("04_train.py", cfg)
+    stage("04_train.py", cfg, nproc=nproc)
     runs = 1
     while train_state(run_dir) != "complete":
         assert runs < max_rounds, "02 and 04 do not converge"
         stage("02_extract_hidden.py", cfg)
-        stage("04_train.py", cfg)
+        stage("04_train.py", cfg, nproc=nproc)
         runs += 1
     return runs
 
@@ -174,3 +177,29 @@ def test_rounds_survive_sigkills_of_02_and_04_at_random_moments(tmp_path):
         alternate(cfg, run_dir)  # the reruns finish the job
     assert disk.peak <= budget_gb * 1e9 + largest_shard, (disk.peak, budget_gb * 1e9)
     check_ledger(run_dir)
+
+
+@pytest.mark.slow
+def test_rounds_under_torchrun_train_like_one_process_with_grad_accum(tmp_path):
+    """2 DDP ranks (gloo) vs 1 process x grad_accum 2, both in rounds: the same global batches, so the same
+    losses per step, the same ledger, and every rank waits for (and trains) the same round."""
+    budget_gb, _, whole = budget_of(tmp_path)
+    train = sum(s["bytes"] for s in whole["shards"] if s["split"] == "train")
+    budget_gb += train / 4 / 1e9  # half the train shards per round: 2 rounds per epoch
+    logs = {}
+    for name, nproc, accum in (("one", 1, 2), ("ddp", 2, 1)):
+        cfg = build(tmp_path / name, budget_gb)
+        tree = yaml.safe_load(cfg.read_text())
+        tree["train"]["grad_accum"] = accum
+        tree["train"]["log_every"] = 1
+        write_yaml(cfg, tree)
+        run_dir = tmp_path / name / "run"
+        alternate(cfg, run_dir, nproc=nproc)
+        check_ledger(run_dir)
+        logs[name] = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    one, ddp = ([r for r in logs[k] if r["type"] == "train"] for k in ("one", "ddp"))
+    assert [r["step"] for r in one] == [r["step"] for r in ddp] and len(one) >= 4
+    for a, b in zip(one, ddp):
+        assert b["tokens"] == a["tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+        assert b["epoch"] == a["epoch"]
+    assert one[-1]["epoch"] == EPOCHS  # every sample trained twice
