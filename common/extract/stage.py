@@ -35,6 +35,11 @@ Resume and integrity
   index (killed between rename and index update) is recomputed. Changed inputs or settings are a clear
   error that suggests --overwrite.
 
+Rounds under a disk budget (extract.max_disk_gb; docs/design.md#rounds-under-a-disk-budget)
+- When the data set does not fit, plan_rounds cuts each epoch's seeded permutation of the train samples
+  into rounds that fit beside the eval shards; a run extracts the rounds that are due (not in
+  hidden/consumed.json, which 04 writes) and exits. Everything above holds within a round.
+
 Placement and multi-GPU
 - Single process: extract.device (auto = cuda if available, else cpu). target.device_map "auto" puts the
   model on one GPU if its weights fit in 90% of that GPU's memory, else shards it over all visible GPUs

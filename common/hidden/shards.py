@@ -30,6 +30,8 @@ What is here:
 - reading the index: read_entries (index.json + rank fragments, for 02's resume), check_format_version,
   HiddenIndex.load (04: complete, readable version, every shard's header checked) and ShardReader (samples'
   rows, lazily, via safetensors safe_open, fp8 states decoded);
+- rounds under a disk budget (plan.json "rounds", hidden/consumed.json): load_plan_rounds, round_files,
+  read_consumed, write_consumed, rounds_on_disk;
 - verification: verify_entry (02's rerun: a reason or None) and verify_shard_files (04's start: one-line
   DataError).
 """
