@@ -159,20 +159,29 @@ def test_rounds_survive_sigkills_of_02_and_04_at_random_moments(tmp_path):
     stage("03_build_vocab_map.py", cfg)
     rng = random.Random(16)
     kills = {"02_extract_hidden.py": 0, "04_train.py": 0}
+    took: dict[str, float] = {}  # each stage's last whole run: the kill moments are drawn within it
+
+    def run(script: str, kill: bool) -> None:
+        proc = subprocess.Popen([sys.executable, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.monotonic()
+        try:
+            proc.wait(timeout=rng.uniform(0.3, 1.0) * took[script] if kill else 600)
+            took[script] = time.monotonic() - t0
+            assert proc.returncode == 0, (script, proc.returncode)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            kills[script] += 1
+
     with DiskSampler(run_dir / "hidden") as disk:
-        for _ in range(40):
-            if all(k >= 3 for k in kills.values()) or train_state(run_dir) == "complete":
+        run("02_extract_hidden.py", kill=False)
+        run("04_train.py", kill=False)
+        for _ in range(60):  # until each stage has been killed 3 times; a run the kill missed moves the job on
+            if all(k == 3 for k in kills.values()) or train_state(run_dir) == "complete":
                 break
-            for script in ("02_extract_hidden.py", "04_train.py"):
-                proc = subprocess.Popen([sys.executable, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                if kills[script] < 3 and rng.random() < 0.6:
-                    try:  # a stage's life here is ~4-8 s, most of it imports and the model: kill in its second half
-                        proc.wait(timeout=rng.uniform(3.0, 7.0))
-                    except subprocess.TimeoutExpired:
-                        proc.send_signal(signal.SIGKILL)
-                        kills[script] += 1
-                assert proc.wait(timeout=600) in (0, -signal.SIGKILL)
+            for script in kills:
+                run(script, kill=kills[script] < 3)
         assert all(k == 3 for k in kills.values()), kills  # three random moments each
         alternate(cfg, run_dir)  # the reruns finish the job
     assert disk.peak <= budget_gb * 1e9 + largest_shard, (disk.peak, budget_gb * 1e9)
