@@ -137,10 +137,11 @@ class Trainer:
         self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank,
                               grad_accum=t.grad_accum, dtype=self.dtype, num_workers=t.num_workers, pin_memory=self.on_gpu,
                               rounds=self.plan_rounds())
-        self.total_steps = t.max_steps or self.data.total_steps(t.epochs)
-        if self.plan is not None and self.total_steps > self.data.total_steps(t.epochs):
+        planned_steps = self.data.total_steps(t.epochs)
+        self.total_steps = t.max_steps or planned_steps
+        if self.plan is not None and self.total_steps > planned_steps:
             raise ConfigError(
-                f"train.max_steps={t.max_steps} is more than the {self.data.total_steps(t.epochs)} steps of the {len(self.plan['rounds'])} "
+                f"train.max_steps={t.max_steps} is more than the {planned_steps} steps of the {len(self.plan['rounds'])} "
                 f"rounds 02 planned for train.epochs={t.epochs}; lower train.max_steps, or raise train.epochs and rerun "
                 f"02_extract_hidden.py --overwrite (it plans the rounds again)")
         data_id = self.index.fingerprint() if self.plan is None else [
@@ -168,17 +169,19 @@ class Trainer:
         return [Round(r["epoch"], [sid for f in r["shards"] for sid in by_file[f]["sample_ids"]],
                       [n for f in r["shards"] for n in by_file[f]["lengths"]]) for r in self.plan["rounds"]]
 
-    def round_on_disk(self, r: int) -> bool:
-        """Whether round r's shards (and the eval shards) are all indexed and on disk."""
-        listed = read_entries(self.layout.hidden_index)
+    def round_on_disk(self, r: int, listed: Optional[dict] = None) -> bool:
+        """Whether round r's shards (and the eval shards) are all indexed (in `listed`, default: read
+        index.json) and on disk."""
+        listed = read_entries(self.layout.hidden_index) if listed is None else listed
         return all(f in listed and (self.layout.hidden / f).is_file() for f in round_files(self.plan, r))
 
     def first_files_on_disk(self) -> list[str]:
         """The files of the first round not consumed that is on disk (else just the eval shards): what the
         trainer starts from before it knows its position."""
         consumed = read_consumed(self.layout.hidden_consumed)
+        listed = read_entries(self.layout.hidden_index)  # once, not once per round
         for r in range(len(self.plan["rounds"])):
-            if r not in consumed and self.round_on_disk(r):
+            if r not in consumed and self.round_on_disk(r, listed):
                 self.round_loaded = r
                 return round_files(self.plan, r)
         return [s["file"] for s in self.plan["shards"] if s["split"] != "train"]
