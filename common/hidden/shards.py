@@ -234,7 +234,7 @@ def index_header(settings: dict, target_model: str, inputs: dict) -> dict:
     states (settings: aux_layer_ids, num_target_layers, target_hidden_size, vocab_size, model_type,
     dtype, target_dtype, storage when not "full"); inputs: the tokenized files they were made from."""
     s = settings
-    storage = s.get("storage", "full")  # plans made before format 2 have no storage: "full"
+    storage = storage_of(s)  # plans made before format 2 have no storage: "full"
     return {
         "format_version": FORMAT_VERSION,
         "storage": storage,
