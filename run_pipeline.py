@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent
 STAGES = ["target", "01_prepare_data", "01b_generate_synthetic", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"]
@@ -72,10 +73,11 @@ def _stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         pass
 
 
-def run_logged(name: str, cmd: list[str], log_path: Path) -> tuple[int, str]:
+def run_logged(name: str, cmd: list[str], log_path: Path, abort: Callable[[], None] | None = None) -> tuple[int, str]:
     """Run cmd in its own process group; tee stdout+stderr to the console and log_path.
 
-    Returns (exit code, full output). On KeyboardInterrupt the child is stopped first.
+    Returns (exit code, full output). On KeyboardInterrupt, or when abort() (called about once a second)
+    raises, the child is stopped first.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     captured = bytearray()
@@ -94,7 +96,13 @@ def run_logged(name: str, cmd: list[str], log_path: Path) -> tuple[int, str]:
             captured.extend(chunk)
 
         try:
-            while chunk := os.read(fd, 65536):
+            while True:
+                if not select.select([fd], [], [], 1.0)[0]:
+                    if abort is not None:
+                        abort()
+                    continue
+                if not (chunk := os.read(fd, 65536)):
+                    break
                 copy(chunk)
             code = proc.wait()
         except BaseException:
@@ -272,6 +280,7 @@ class Pipeline:
         self.timings: list[tuple[str, float, str]] = []
         self.current = "start"
         self.server = None
+        self.background = None  # (stage, process, start time, its last run before) of a stage running beside the others
 
     def stage(self, name: str, script: str, *extra: str) -> None:
         self.current = name
@@ -279,7 +288,8 @@ class Pipeline:
         log = self.layout.log(name)
         t0 = time.monotonic()
         before = last_run(self.cfg.run_dir, name)
-        code, _ = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log)
+        code, _ = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log,
+                             abort=self.check_background)
         secs = time.monotonic() - t0
         if code != 0:
             self.timings.append((name, secs, f"FAILED (exit {code})"))
@@ -322,6 +332,50 @@ class Pipeline:
             self.server.stop()
             self.server = None
 
+    def extract(self) -> None:
+        """02; streaming (extract.stream): started in the background, 03 and 04 run beside it."""
+        if self.cfg.extract.stream:
+            self.start_background("02_extract_hidden", "02_extract_hidden.py")
+        else:
+            self.stage("02_extract_hidden", "02_extract_hidden.py")
+
+    def start_background(self, name: str, script: str) -> None:
+        """Streaming (extract.stream): 02 runs beside 03 and 04, its output to its log only."""
+        banner(f"[{name}] {script} in the background (extract.stream), log: {self.layout.log(name)}")
+        log = open(self.layout.log(name), "ab")
+        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} $ {script} (background)\n".encode())
+        log.flush()
+        proc = subprocess.Popen([sys.executable, str(ROOT / script), *self.stage_args], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()  # the child holds its own copy
+        self.background = (name, proc, time.monotonic(), last_run(self.cfg.run_dir, name))
+
+    def check_background(self) -> None:
+        """A background stage that failed stops the pipeline (the foreground stage would wait for it)."""
+        if self.background is None or self.background[1].poll() in (None, 0):
+            return
+        name, proc, t0, _ = self.background
+        self.background = None
+        self.timings.append((name, time.monotonic() - t0, f"FAILED (exit {proc.returncode})"))
+        raise StageFailed(name, proc.returncode, self.layout.log(name))
+
+    def finish_background(self) -> None:
+        """Wait for the background stage (it ends once every round is extracted) and record it."""
+        if self.background is None:
+            return
+        name, proc, t0, before = self.background
+        proc.wait()
+        self.check_background()
+        self.background = None
+        status = stage_status(self.cfg.run_dir, name, before)
+        self.timings.append((name, time.monotonic() - t0, status))
+        print(f"--- {name} (background): {status} (log: {self.layout.log(name)})", flush=True)
+
+    def stop_background(self) -> None:
+        if self.background is not None:
+            _stop_child(self.background[1])
+            self.background = None
+
     def train(self) -> None:
         """04; under a disk budget (extract.max_disk_gb) 02 and 04 then alternate, one round each, until the
         training is complete (docs/design.md#rounds-under-a-disk-budget). 02 starts and stops its own vLLM
@@ -331,6 +385,9 @@ class Pipeline:
         from common.hidden.shards import read_consumed
 
         self.stage("04_train", "04_train.py")
+        if self.cfg.extract.stream:  # 04 waited for 02's rounds as they came
+            self.finish_background()
+            return
 
         def progress():
             manifest = read_manifest(self.layout, "04_train") or {}
@@ -348,10 +405,17 @@ class Pipeline:
         steps = [
             ("01_prepare_data", lambda: self.stage("01_prepare_data", "01_prepare_data.py")),
             ("01b_generate_synthetic", self.generate),
-            *[(name, lambda name=name: self.stage(name, f"{name}.py")) for name in ("02_extract_hidden", "03_build_vocab_map")],
+            ("02_extract_hidden", self.extract),
+            ("03_build_vocab_map", lambda: self.stage("03_build_vocab_map", "03_build_vocab_map.py")),
             ("04_train", self.train),
             ("05_evaluate", lambda: self.stage("05_evaluate", "05_evaluate.py")),
         ]
+        if self.cfg.extract.stream and self.args.stop_after in ("02_extract_hidden", "03_build_vocab_map"):
+            from common.core.errors import PipelineError
+
+            raise PipelineError(f"--stop-after {self.args.stop_after} with extract.stream: true: streaming 02 waits for 04 "
+                                f"to train and free each round, so it cannot run alone; drop --stop-after, or set "
+                                f"extract.stream: false (02 and 04 then alternate)")
         self.target()
         for name, step in steps:
             step()
@@ -411,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         if pipeline is not None:
+            pipeline.stop_background()
             pipeline.stop_server()
             pipeline.record_run(outcome)
 

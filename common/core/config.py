@@ -130,6 +130,13 @@ class ExtractConfig:
     # in rounds: a seeded random share of the train samples per round, re-extracted per epoch, each round
     # deleted once trained (docs/design.md#rounds-under-a-disk-budget). null = no bound (one extraction).
     max_disk_gb: Optional[Annotated[float, Range(gt=0)]] = None
+    # Streaming (needs max_disk_gb): 02 and 04 run at the same time on one run folder, e.g. on two GPU pools
+    # or nodes sharing a filesystem. Rounds are cut at half the budget so 04 trains one while 02 extracts the
+    # next; 02 waits while the folder is full, 04 waits for the next round (docs/design.md#streaming).
+    stream: bool = False
+    # How long a streaming stage waits while the other shows no sign of life (02: a new shard; 04: a metrics
+    # line or a round trained) before it stops with an error (resumable: rerun it).
+    stream_wait_minutes: Annotated[float, Range(gt=0, le=10080)] = 30.0
     verify: Literal["sha256", "size"] = "sha256"  # how a rerun checks existing shards: sha256 (full read) | size (fast, huge runs)
     # Who runs the target: vllm (its extract_hidden_states method: TP/EP, quantized MoE kernels, MLA),
     # hf (transformers + hooks: the reference, and for targets vLLM cannot run); auto = vllm where installed.
@@ -499,6 +506,9 @@ def validate(cfg: Config) -> None:
     g = cfg.generate
     _require(g.backoff_max_s >= g.backoff_initial_s,
              f"generate.backoff_max_s ({g.backoff_max_s:g}) must be >= generate.backoff_initial_s ({g.backoff_initial_s:g})")
+    _require(not cfg.extract.stream or cfg.extract.max_disk_gb is not None,
+             "extract.stream is true but extract.max_disk_gb is null; streaming bounds the hidden-state folder: set "
+             "extract.max_disk_gb (what hidden/ may hold), or set extract.stream: false")
     t = cfg.train
     _require(len(t.betas) == 2, f"train.betas must have two values, got {t.betas}")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr:g}) must be <= train.lr ({t.lr:g})")

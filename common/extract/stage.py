@@ -80,6 +80,7 @@ from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
 from common.core.run_folder import Layout, StageManifest
+from common.hidden.stream import StreamWait
 from common.hidden.shards import (FORMAT_VERSION, build_index, bytes_per_token, check_format_version, describe_bytes_per_token, index_header,
                                   read_consumed, read_entries, rounds_on_disk, shard_entry, verify_entry, write_fragment, write_index, write_shard)
 
@@ -222,7 +223,8 @@ def plan_rounds(cfg, train: SplitScan, eval_scans: list[SplitScan], per_token: i
     """Rounds mode (extract.max_disk_gb): (train shards, rounds, eval bytes), or None when the whole data set fits.
 
     Per epoch, a seeded permutation (train.seed, epoch) of the train samples is cut into rounds whose shards
-    fit the budget next to the eval shards (kept from the first round to the last), and each round into
+    fit the budget next to the eval shards (kept from the first round to the last; streaming: two rounds
+    fit, so each is cut at half of what is left), and each round into
     shards of at most extract.shard_max_tokens tokens. A round is a fair random share of the data; epoch e+1
     re-extracts in another order (docs/design.md#rounds-under-a-disk-budget)."""
     import numpy as np
@@ -234,13 +236,16 @@ def plan_rounds(cfg, train: SplitScan, eval_scans: list[SplitScan], per_token: i
     train_bytes = sum(sample_bytes(s.length, per_token) for s in train.samples) + SHARD_OVERHEAD * (len(train.samples) // 2 + 1)
     if eval_bytes + train_bytes <= budget:
         return None
-    capacity = budget - eval_bytes
+    # streaming: two rounds on disk at once, the one 04 trains and the one 02 extracts
+    slots = 2 if cfg.extract.stream else 1
+    capacity = (budget - eval_bytes) // slots
     largest = max(sample_bytes(s.length, per_token) for s in train.samples) + SHARD_OVERHEAD
     if capacity < largest:
+        two = " and, streaming, two rounds of" if slots == 2 else ""
         raise ConfigError(
-            f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} cannot hold the eval shards ({format_bytes(eval_bytes)}) and the "
+            f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} cannot hold the eval shards ({format_bytes(eval_bytes)}){two} the "
             f"longest train sample ({format_bytes(largest)}); raise extract.max_disk_gb to at least "
-            f"{(eval_bytes + largest) / 1e9:.3g} (a few rounds' worth is better: each round restarts the engine)")
+            f"{(eval_bytes + slots * largest) / 1e9:.3g} (a few rounds' worth is better: each round restarts the engine)")
     shards: list[dict] = []
     rounds: list[dict] = []
     for epoch in range(cfg.train.epochs):
@@ -345,6 +350,7 @@ def _settings(cfg, info) -> dict:
         # rounds under a disk budget: the rounds are cut per epoch from a permutation seeded by train.seed
         **({"max_disk_gb": cfg.extract.max_disk_gb, "epochs": cfg.train.epochs, "seed": cfg.train.seed}
            if cfg.extract.max_disk_gb is not None else {}),
+        **({"stream": True} if cfg.extract.stream else {}),  # rounds of half the budget
     }
 
 
@@ -373,35 +379,50 @@ def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
     stage_manifest(cfg, info).begin(overwrite, outputs=[layout.hidden_index], started=plan_path.is_file())
     plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, layout)
     header = index_header(plan["settings"], cfg.target.model, plan["inputs"])
-    wanted, note = [s["file"] for s in plan["shards"]], None
-    kept: dict[str, dict] = {}  # index entries of shards 04 has consumed (and deleted): they stay listed
-    if "rounds" in plan:
-        wanted, kept, note = round_shards_wanted(layout, plan)
-    good = verified_shards(cfg, layout, plan, set(wanted))
-    todo = [f for f in wanted if f not in good]
-    entries = {**kept, **good}
+    todo, entries, note = survey(cfg, layout, plan)
     if not todo:
         index = build_index(header, plan["shards"], entries)
         if not layout.hidden_index.is_file() or read_json(layout.hidden_index) != index:
             write_index(layout.hidden_index, index)
         for frag in layout.index_fragments():
             frag.unlink(missing_ok=True)
-        return {"status": "complete", "plan": plan, "entries": entries, "todo": [], "header": header, "note": note}
+        return {"status": "complete", "plan": plan, "entries": entries, "todo": [], "header": header, "note": note,
+                "complete": index["complete"]}
     check_disk_for(cfg, layout, plan, header, todo)
     write_index(layout.hidden_index, build_index(header, plan["shards"], entries))
     return {"status": "todo", "plan": plan, "entries": entries, "todo": todo, "header": header, "note": note}
 
 
+def survey(cfg, layout: Layout, plan: dict, known: dict[str, dict] | None = None) -> tuple[list[str], dict[str, dict], str | None]:
+    """What is due now: (the wanted shards not on disk and sound, in extraction order; the index entries to
+    keep; in rounds mode, what to tell the user). known: entries this process wrote or verified itself
+    (streaming: not hashed again while their files are there)."""
+    wanted, kept, note = [s["file"] for s in plan["shards"]], {}, None
+    if "rounds" in plan:
+        wanted, kept, note = round_shards_wanted(layout, plan)
+    known = {f: e for f, e in (known or {}).items() if f in wanted and (layout.hidden / f).is_file()}
+    good = {**known, **verified_shards(cfg, layout, plan, set(wanted) - set(known))}
+    return [f for f in wanted if f not in good], {**kept, **good}, note
+
+
 def round_shards_wanted(layout: Layout, plan: dict) -> tuple[list[str], dict[str, dict], str]:
-    """Rounds mode: the shards that should be on disk now (the eval shards and the next rounds that fit
-    the budget), the index entries of the consumed rounds' shards, and what to tell the user."""
+    """Rounds mode: the shards that should be on disk now (the eval shards first, so that a streaming 04
+    can start, then the next rounds that fit the budget), the index entries of the consumed rounds'
+    shards, and what to tell the user. Train shards of rounds not due now are deleted: 04 deletes a
+    round once it is trained, but a kill may come between its record in consumed.json and the deletion,
+    and the budget holds only if nothing else is there."""
     consumed = read_consumed(layout.hidden_consumed)
     rounds = plan["rounds"]
     now = rounds_on_disk(plan, consumed)
     entries = read_entries(layout.hidden_index, layout.index_fragments())
     gone = {f for r in consumed for f in rounds[r]["shards"]}
     kept = {f: e for f, e in entries.items() if f in gone}
-    wanted = [s["file"] for s in plan["shards"] if s["split"] != "train" or s.get("round") in now]
+    wanted = ([s["file"] for s in plan["shards"] if s["split"] != "train"] +
+              [s["file"] for s in plan["shards"] if s["split"] == "train" and s["round"] in now])
+    due = set(wanted)
+    for s in plan["shards"]:
+        if s["split"] == "train" and s["file"] not in due:
+            (layout.hidden / s["file"]).unlink(missing_ok=True)
     if now:
         which = f"round {now[0] + 1}" if len(now) == 1 else f"rounds {now[0] + 1}-{now[-1] + 1}"
         note = (f"{which} of {len(rounds)} (epoch {rounds[now[0]]['epoch'] + 1}) extracted; run 04_train.py to train on it "
@@ -504,7 +525,7 @@ def check_disk_for(cfg, layout: Layout, plan: dict, header: dict, todo: list[str
 
 def run_extraction(cfg, overwrite: bool = False) -> dict:
     """Extract all planned shards (this rank's share under torchrun). Returns a summary dict."""
-    from common.core.distributed import barrier, broadcast_object, close_distributed, init_distributed
+    from common.core.distributed import barrier, close_distributed, init_distributed
     from common.target.loading import load_target_info, torch_dtype
 
     layout = Layout.of(cfg)
@@ -516,19 +537,10 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     env = init_distributed("gloo", timeout=datetime.timedelta(days=7))
     try:
         _check_parallelism(cfg, info, env)
-        setup: dict | str
-        try:
-            setup = prepare(cfg, info, layout, overwrite) if env.is_main else None
-        except PipelineError as e:
-            setup = f"{type(e).__name__}:{e}"
-            if not env.distributed:
-                raise
-        setup = broadcast_object(setup, env)
-        if isinstance(setup, str):  # rank 0 failed; every rank reports the same one-line error
-            kind, msg = setup.split(":", 1)
-            raise {"ConfigError": ConfigError, "DataError": DataError}.get(kind, PipelineError)(msg)
+        setup = on_rank0(lambda: prepare(cfg, info, layout, overwrite), env)
         plan, header = setup["plan"], setup["header"]
-        if setup["status"] == "complete":
+        streaming = cfg.extract.stream and "rounds" in plan
+        if setup["status"] == "complete" and (not streaming or setup["complete"]):
             index = build_index(header, plan["shards"], setup["entries"])
             if env.is_main and setup["note"] and not index["complete"]:  # rounds: this round is there, 04's turn
                 print(f"02_extract_hidden: {setup['note']}", flush=True)
@@ -540,16 +552,35 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                 stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
             return {"status": "complete", "complete": index["complete"], **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 
-        # shard k (plan order, the file Layout.shard(k)) goes to rank k % world_size
-        owner = {s["file"]: k % env.world_size for k, s in enumerate(plan["shards"])}
-        mine = [f for f in setup["todo"] if owner[f] == env.rank]
-        rounds = max(sum(owner[f] == r for f in setup["todo"]) for r in range(env.world_size))
-        summary = _extract_shards(cfg, info, layout, plan, header, mine, setup["entries"], env,
-                                  torch_dtype(cfg.extract.dtype), rounds)
-        barrier(env)
+        # Extract what is due; streaming: then wait for 04 to free room, and go on until every round is extracted.
+        owner = {s["file"]: k % env.world_size for k, s in enumerate(plan["shards"])}  # shard k goes to rank k % world
+        wait = StreamWait("02_extract_hidden", "04_train", [layout.hidden_consumed, layout.metrics, layout.manifest("04_train")],
+                          cfg.extract.stream_wait_minutes, lambda text: print(text, flush=True))
+        extractor = None
+        summary = {"tokens": 0, "bytes": 0, "seconds": 0.0, "shards": 0}
+        try:
+            while True:
+                if setup["status"] == "todo":
+                    extractor = extractor or open_extractor(cfg, info, layout, env, torch_dtype(cfg.extract.dtype))
+                    mine = [f for f in setup["todo"] if owner[f] == env.rank]
+                    rounds = max(sum(owner[f] == r for f in setup["todo"]) for r in range(env.world_size))
+                    done = _extract_shards(cfg, layout, plan, header, mine, setup["entries"], env, extractor, rounds)
+                    summary = {k: summary[k] + done[k] for k in summary}
+                    barrier(env)
+                    if env.is_main:
+                        write_index(layout.hidden_index, build_index(header, plan["shards"],
+                                                                     read_entries(layout.hidden_index, layout.index_fragments())))
+                if not streaming:
+                    break
+                setup = on_rank0(lambda: next_in_stream(cfg, layout, plan, header, wait), env)
+                if setup["status"] == "complete":
+                    break
+        finally:
+            if extractor is not None:
+                extractor.close()
+        summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
         if env.is_main:
-            entries = read_entries(layout.hidden_index, layout.index_fragments())
-            index = build_index(header, plan["shards"], entries)
+            index = build_index(header, plan["shards"], read_entries(layout.hidden_index, layout.index_fragments()))
             write_index(layout.hidden_index, index)
             if index["complete"]:
                 for frag in layout.index_fragments():
@@ -560,7 +591,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                   f"{index['splits']['eval']['num_samples']} samples), {format_bytes(index['bytes'])} in {hidden_dir}; "
                   f"this run: {summary['tokens']:,} tokens in {summary['seconds']:.1f} s = {summary['tokens_per_s']:,.0f} tok/s, "
                   f"{format_bytes(summary['bytes'])} written", flush=True)
-            if setup["note"]:
+            if setup["note"] and not index["complete"]:
                 print(f"02_extract_hidden: {setup['note']}", flush=True)
             summary["complete"] = index["complete"]
             manifest = stage_manifest(cfg, info)
@@ -568,9 +599,44 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                 manifest.complete({"num_shards": index["num_shards"]})
             else:
                 manifest.partial({"num_shards": index["num_shards"]}, outcome="round_done" if setup["note"] else "partial")
-        return summary
+        return {"status": "extracted", **summary}
     finally:
         close_distributed(env)
+
+
+def on_rank0(decide: Callable[[], dict], env: DistEnv) -> dict:
+    """decide() on rank 0, its result on every rank; its error (one line) raised on every rank."""
+    from common.core.distributed import broadcast_object
+
+    try:
+        result = decide() if env.is_main else None
+    except PipelineError as e:
+        if not env.distributed:
+            raise
+        result = f"{type(e).__name__}:{e}"
+    result = broadcast_object(result, env)
+    if isinstance(result, str):
+        kind, msg = result.split(":", 1)
+        raise {"ConfigError": ConfigError, "DataError": DataError}.get(kind, PipelineError)(msg)
+    return result
+
+
+def next_in_stream(cfg, layout: Layout, plan: dict, header: dict, wait: StreamWait) -> dict:
+    """Streaming, rank 0: wait until 04 has freed room for the next round (or everything is extracted);
+    then what is due, like prepare() returns it."""
+    known = read_entries(layout.hidden_index, layout.index_fragments())  # written or verified by this process
+    while True:
+        todo, entries, note = survey(cfg, layout, plan, known)
+        if todo:
+            wait.reset()
+            check_disk_for(cfg, layout, plan, header, todo)
+            return {"status": "todo", "entries": entries, "todo": todo, "note": note}
+        index = build_index(header, plan["shards"], entries)
+        if index["complete"]:
+            return {"status": "complete", "note": note}
+        consumed = read_consumed(layout.hidden_consumed)
+        r = next(r for r in range(len(plan["rounds"])) if r not in consumed)
+        wait.tick(f"04_train to finish round {r + 1} of {len(plan['rounds'])} (hidden/ is at its budget)")
 
 
 def open_extractor(cfg, info, layout: Layout, env: DistEnv, out_dtype):
@@ -602,11 +668,11 @@ def _check_parallelism(cfg, info, env: DistEnv) -> None:
             f"set --set extract.data_parallel_size={env.world_size}, or run one process (TP/EP come from extract.tensor_parallel_size)")
 
 
-def _extract_shards(cfg, info, layout: Layout, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
-                    env: DistEnv, out_dtype, rounds: int | None = None) -> dict:
-    """Extract this process's shards. rounds: how many shards the busiest rank has (vLLM data-parallel
-    engines step together, so a rank with fewer joins the remaining rounds with a dummy request)."""
-    extractor = open_extractor(cfg, info, layout, env, out_dtype)
+def _extract_shards(cfg, layout: Layout, plan: dict, header: dict, mine: list[str], done: dict[str, dict],
+                    env: DistEnv, extractor, rounds: int | None = None) -> dict:
+    """Extract this process's shards with `extractor` (open_extractor). rounds: how many shards the busiest
+    rank has (vLLM data-parallel engines step together, so a rank with fewer joins the remaining rounds
+    with a dummy request)."""
     placement = getattr(extractor, "placement", "vllm")
     paths = {split: layout.split_jsonl(split) for split in plan["inputs"]}
     shards = {s["file"]: s for s in plan["shards"]}
@@ -652,7 +718,5 @@ def _extract_shards(cfg, info, layout: Layout, plan: dict, header: dict, mine: l
                 pending.result()
         finally:
             bar.close()
-            extractor.close()
     seconds = time.perf_counter() - start
-    return {"status": "extracted", "tokens": stats["tokens"], "bytes": stats["bytes"], "seconds": seconds,
-            "tokens_per_s": stats["tokens"] / max(seconds, 1e-9), "shards": len(mine)}
+    return {"tokens": stats["tokens"], "bytes": stats["bytes"], "seconds": seconds, "shards": len(mine)}

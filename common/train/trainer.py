@@ -63,6 +63,7 @@ from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
 from common.train.data import DataPosition, Round, TrainData
 from common.train.ledger import LEDGER_FILE, SampleLedger
+from common.hidden.stream import StreamWait
 from common.hidden.shards import (HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
                                   write_consumed)
 from common.model.ttt import ttt_loss
@@ -94,7 +95,11 @@ def fingerprint(obj) -> str:
 def run_training(cfg, overwrite: bool = False) -> int:
     env = init_distributed()
     try:
-        return Trainer(cfg, env).run(overwrite)
+        code = Trainer(cfg, env).run(overwrite)
+        # every rank leaves together: a gloo rank whose peer has already torn down its connections can
+        # abort at exit ("terminate called without an active exception", seen once in 2-rank rounds runs)
+        barrier(env)
+        return code
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise PipelineError(f"cannot write under {Layout.of(cfg).train}: {e.strerror}; free disk space and rerun: "
@@ -113,6 +118,11 @@ class Trainer:
 
         # Inputs, validated before anything is written. Rounds mode (02 planned rounds under
         # extract.max_disk_gb): the index holds the round on disk; open_round() moves to the next.
+        self.stream = cfg.extract.stream
+        self.wait = StreamWait("04_train", "02_extract_hidden", [layout.hidden_index, layout.hidden_plan,
+                               layout.manifest("02_extract_hidden")], cfg.extract.stream_wait_minutes, self.say)
+        if self.stream:
+            self.wait_for_extraction()
         self.plan = load_plan_rounds(layout.hidden_plan)
         self.round_loaded: Optional[int] = None  # rounds mode: the round whose shards self.index holds
         self.index = HiddenIndex.load(layout.hidden_index, self.first_files_on_disk() if self.plan else None)
@@ -157,6 +167,24 @@ class Trainer:
         self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
 
     # -- rounds under a disk budget (docs/design.md#rounds-under-a-disk-budget) ---------------
+
+    def wait_for_extraction(self) -> None:
+        """Streaming: 04 may start before 02 has planned or written anything. Every rank waits (on its own:
+        what it waits for only ever appears) until plan.json and index.json are there and, in rounds mode,
+        the eval shards (02 writes them first); without rounds, until the whole extraction is complete."""
+        def ready() -> bool:
+            if not (self.layout.hidden_plan.is_file() and self.layout.hidden_index.is_file()):
+                return False
+            plan = read_json(self.layout.hidden_plan)
+            listed = read_entries(self.layout.hidden_index)
+            if "rounds" not in plan:
+                return bool(read_json(self.layout.hidden_index).get("complete"))
+            return all(s["file"] in listed and (self.layout.hidden / s["file"]).is_file()
+                       for s in plan["shards"] if s["split"] != "train")
+
+        while not ready():
+            self.wait.tick("02_extract_hidden to write hidden/plan.json and the first shards")
+        self.wait.reset()
 
     def plan_rounds(self) -> Optional[list[Round]]:
         if self.plan is None:
@@ -210,19 +238,44 @@ class Trainer:
                 (self.layout.hidden / f).unlink(missing_ok=True)
 
     def open_round(self) -> bool:
-        """Make the index hold the round at the position; False when 02 has not extracted it yet."""
+        """Make the index hold the round at the position; False when 02 has not extracted it yet
+        (streaming: wait for it)."""
         if self.plan is None:
             return True
         r = self.pos.epoch
+        if not self.round_ready(r):
+            return False
         if self.round_loaded != r:
-            # rank 0 decides: every rank trains the round, or every rank waits for it
-            if not broadcast_object(self.round_on_disk(r) if self.env.is_main else None, self.env):
-                return False
             self.index = HiddenIndex.load(self.layout.hidden_index, round_files(self.plan, r))
             self.data.use_index(self.index)
             self.round_loaded = r
         verify_shard_files(self.index, self.layout, self.env, self.cfg.extract.verify)
         return True
+
+    def round_ready(self, r: int) -> bool:
+        """Whether round r is on disk. Rank 0 decides, so that every rank trains the round or every rank
+        waits for it (a rank may have loaded it at the start, another not). Streaming: poll until it is
+        there, one broadcast per poll, so no collective waits longer than a poll."""
+        while True:
+            status = None
+            if self.env.is_main:
+                try:
+                    status = "ready" if self.round_loaded == r or self.round_on_disk(r) else "wait"
+                    if status == "wait" and self.stream:
+                        rounds = self.plan["rounds"]
+                        self.wait.check(f"02_extract_hidden to extract round {r + 1} of {len(rounds)} (epoch "
+                                        f"{rounds[r]['epoch'] + 1})")
+                except PipelineError as e:
+                    status = e
+            status = broadcast_object(status, self.env)
+            if isinstance(status, Exception):
+                raise status
+            if status == "ready":
+                self.wait.reset()
+                return True
+            if not self.stream:
+                return False
+            time.sleep(self.wait.poll_s)
 
     def steps_to_round_end(self) -> int:
         """Steps the stream may run ahead: to the end of the round on disk (rounds mode), else to the end."""

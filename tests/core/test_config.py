@@ -66,6 +66,8 @@ def test_set_null_and_yaml_values():
         ({"data": {"eval_fraction": 1.5}}, [], "config key 'data.eval_fraction' must be >= 0 and < 1, got 1.5"),
         ({"train": 3}, [], "section 'train' must be a mapping"),
         ({}, ["train.lr"], "--set expects KEY=VALUE"),
+        ({"extract": {"stream": True}}, [], "extract.stream is true but extract.max_disk_gb is null"),
+        ({}, ["extract.stream_wait_minutes=0"], "config key 'extract.stream_wait_minutes' must be > 0 and <= 10080, got 0"),
     ],
 )
 def test_bad_config_messages(tree, overrides, message):

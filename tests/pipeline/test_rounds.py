@@ -1,9 +1,11 @@
-"""Rounds under a disk budget (extract.max_disk_gb; docs/design.md#rounds-under-a-disk-budget).
+"""Rounds under a disk budget (extract.max_disk_gb; docs/design.md#rounds-under-a-disk-budget), and
+streaming (extract.stream; docs/design.md#streaming).
 
 The hidden states of the whole data set do not fit: 02 extracts a round (a seeded random share of one
 epoch's train samples, next to the eval shards), 04 trains on it, records it in consumed.json and deletes
-it, 02 extracts the next, as run_pipeline.py alternates them. Real stages in subprocesses on a tiny
-random Llama (hf backend), a disk sampler on hidden/, SIGKILLs at random moments of both stages.
+it, 02 extracts the next, as run_pipeline.py alternates them. Streaming, 02 and 04 run at the same time
+and wait for each other through the files. Real stages in subprocesses on a tiny random Llama (hf
+backend), a disk sampler on hidden/, SIGKILLs at random moments of both stages.
 """
 
 from __future__ import annotations
@@ -20,24 +22,27 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, base_config, make_target, structured_samples, train_env, write_yaml
+from tests.helpers import REPO, base_config, error_line, make_target, run_stage, structured_samples, train_env, write_yaml
 
 EPOCHS = 2
 
 
-def build(root: Path, max_disk_gb: float | None) -> Path:
+def build(root: Path, max_disk_gb: float | None, stream: bool = False, n_train: int = 64) -> Path:
     from common.core.io import write_jsonl_atomic
 
     target = root.parent / "target"
     if not target.exists():
         make_target(target)
     run_dir = root / "run"
-    write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(64, 1, "tr"))
+    write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(n_train, 1, "tr"))
     write_jsonl_atomic(run_dir / "data" / "eval.jsonl", structured_samples(8, 2, "ev"))
     cfg = base_config(run_dir, target, max_steps=None, epochs=EPOCHS, eval_every=0, checkpoint_every=3, log_every=5)
     cfg["extract"]["shard_max_tokens"] = 600
     if max_disk_gb is not None:
         cfg["extract"]["max_disk_gb"] = max_disk_gb
+    if stream:
+        cfg["extract"]["stream"] = True
+        cfg["extract"]["stream_wait_minutes"] = 5  # a stage whose partner died fails the test instead of hanging
     return write_yaml(root / "run.yaml", cfg)
 
 
@@ -103,10 +108,10 @@ def ledger_of(run_dir: Path) -> dict:
     return json.loads((ckpts[-1] / "ledger.json").read_text())
 
 
-def budget_of(tmp_path: Path) -> tuple[float, int, dict]:
+def budget_of(tmp_path: Path, n_train: int = 64) -> tuple[float, int, dict]:
     """A budget of the eval shards + a quarter of the train shards of an unbounded extraction; the
     largest shard; the unbounded plan's index."""
-    cfg = build(tmp_path / "whole", None)
+    cfg = build(tmp_path / "whole", None, n_train=n_train)
     stage("02_extract_hidden.py", cfg)
     index = json.loads((tmp_path / "whole" / "run" / "hidden" / "index.json").read_text())
     train = sum(s["bytes"] for s in index["shards"] if s["split"] == "train")
@@ -212,3 +217,88 @@ def test_rounds_under_torchrun_train_like_one_process_with_grad_accum(tmp_path):
         assert b["tokens"] == a["tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
         assert b["epoch"] == a["epoch"]
     assert one[-1]["epoch"] == EPOCHS  # every sample trained twice
+
+
+def start(script: str, cfg: Path, log: Path) -> subprocess.Popen:
+    out = open(log, "ab")
+    try:
+        return subprocess.Popen([sys.executable, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
+                                stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        out.close()
+
+
+def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    for script, proc in procs.items():
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        assert proc.returncode == 0, (script, (logs / f"{script}.log").read_text()[-3000:])
+
+
+@pytest.mark.slow
+def test_streaming_runs_02_and_04_at_once_within_the_budget(tmp_path):
+    budget_gb, largest_shard, _ = budget_of(tmp_path)
+    cfg = build(tmp_path / "stream", budget_gb, stream=True)
+    run_dir = tmp_path / "stream" / "run"
+    stage("03_build_vocab_map.py", cfg)
+    with DiskSampler(run_dir / "hidden") as disk:
+        # 04 first: it waits for 02's plan and first shards
+        procs = {s: start(s, cfg, tmp_path / f"{s}.log") for s in ("04_train.py", "02_extract_hidden.py")}
+        finish(procs, tmp_path)
+    plan = json.loads((run_dir / "hidden" / "plan.json").read_text())
+    # half the budget per round (two on disk at once): twice the rounds of the alternating mode
+    assert len(plan["rounds"]) >= 8 * EPOCHS
+    assert max(r["bytes"] for r in plan["rounds"]) <= (budget_gb * 1e9 - plan["eval_bytes"]) / 2
+    assert disk.samples > 50 and disk.peak <= budget_gb * 1e9 + largest_shard, (disk.peak, budget_gb * 1e9)
+    check_ledger(run_dir)
+    log02 = (tmp_path / "02_extract_hidden.py.log").read_text()
+    log04 = (tmp_path / "04_train.py.log").read_text()
+    # they ran at the same time: 02 waited for 04 to free room, 04 waited for 02's first round
+    assert "02_extract_hidden: waiting for 04_train to finish round" in log02
+    assert "04_train: waiting for 02_extract_hidden" in log04
+    left = sorted(p.name for p in (run_dir / "hidden").glob("shard-*"))
+    assert left == [s["file"] for s in plan["shards"] if s["split"] == "eval"]
+    assert json.loads((run_dir / "stages" / "02_extract_hidden.json").read_text())["state"] == "complete"
+    assert train_state(run_dir) == "complete"
+
+
+@pytest.mark.slow
+def test_streaming_survives_sigkills_of_02_and_04_at_random_moments(tmp_path):
+    """Both run; one of them is SIGKILLed at a random moment and restarted at once while the other goes on
+    (waiting for it through the files), three times each, alternating; then both finish."""
+    budget_gb, largest_shard, _ = budget_of(tmp_path, n_train=192)  # ~1 min of work: room for six kills
+    cfg = build(tmp_path / "stream", budget_gb, stream=True, n_train=192)
+    run_dir = tmp_path / "stream" / "run"
+    stage("03_build_vocab_map.py", cfg)
+    rng = random.Random(18)
+    scripts = ("02_extract_hidden.py", "04_train.py")
+    kills = dict.fromkeys(scripts, 0)
+    with DiskSampler(run_dir / "hidden") as disk:
+        procs = {s: start(s, cfg, tmp_path / f"{s}.log") for s in scripts}
+        for k in range(6):
+            script = scripts[k % 2]
+            time.sleep(rng.uniform(1.0, 6.0))  # a stage takes ~5 s to start: some kills land in its start
+            proc = procs[script]
+            assert proc.poll() is None, (script, proc.returncode, (tmp_path / f"{script}.log").read_text()[-3000:])
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            kills[script] += 1
+            procs[script] = start(script, cfg, tmp_path / f"{script}.log")
+        finish(procs, tmp_path)
+    assert kills == dict.fromkeys(scripts, 3)
+    assert disk.peak <= budget_gb * 1e9 + largest_shard, (disk.peak, budget_gb * 1e9)
+    check_ledger(run_dir)
+    assert train_state(run_dir) == "complete"
+
+
+def test_streaming_04_stops_with_one_error_line_when_02_never_comes(tmp_path):
+    cfg = build(tmp_path / "alone", 0.001, stream=True)
+    tree = yaml.safe_load(cfg.read_text())
+    tree["extract"]["stream_wait_minutes"] = 0.05  # 3 s
+    write_yaml(cfg, tree)
+    t0 = time.monotonic()
+    res = run_stage("04_train.py", cfg, timeout=300)
+    error_line(res, "04_train waited", "is 02_extract_hidden running?", "extract.stream_wait_minutes=0.05")
+    assert "04_train: waiting for 02_extract_hidden to write hidden/plan.json" in res.stdout
+    assert time.monotonic() - t0 < 120
+    assert not (tmp_path / "alone" / "run" / "train").exists()  # nothing written
