@@ -466,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fix the problem and rerun the same command: finished stages are skipped", file=sys.stderr)
         return e.code if 0 < e.code < 128 else 1
     except PipelineError as e:
-        print(f"run_pipeline: error in {pipeline.current if pipeline else 'config'}: {e}", file=sys.stderr)
+        if pipeline is not None:
+            print(f"run_pipeline: stopped in {pipeline.current}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # the contract's one error line, the last one
         return 2
     except KeyboardInterrupt:
         outcome = "interrupted"

@@ -44,6 +44,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether nothing listens on host:port (a bind succeeds; SO_REUSEADDR as uvicorn sets it, so a
+    socket in TIME_WAIT from a server just stopped does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def cuda_available() -> bool:
     try:
         import torch
@@ -105,6 +117,7 @@ class VllmServer:
     ):
         self.model = str(model)
         self.host = host
+        self.port_asked = port  # 0: a free port picked here
         self.port = port or free_port(host)
         self.on_gpu = cuda_available()
         self.max_model_len = max_model_len
@@ -190,6 +203,10 @@ class VllmServer:
     def start(self) -> "VllmServer":
         if self.process is not None:
             return self
+        if self.port_asked and not port_is_free(self.host, self.port):
+            raise PipelineError(f"port {self.port} on {self.host} is already in use by another process, so a vLLM server "
+                                f"started there could not listen (and we would talk to the other process); stop what listens "
+                                f"on it, or set server.port: 0 (a free port)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
         t0 = time.monotonic()
@@ -220,6 +237,10 @@ class VllmServer:
                     f"last log lines:\n{self.log_tail()}"
                 )
             if self.is_ready():
+                if self.listens_here() is False:
+                    raise PipelineError(f"a server answers on {self.url} but it is not the vLLM server this run started "
+                                        f"(no process of ours listens on port {self.port}); stop the other server or set "
+                                        f"server.port: 0 (log: {self.log_path})")
                 return
             if time.monotonic() > deadline:
                 raise PipelineError(
@@ -229,14 +250,32 @@ class VllmServer:
             time.sleep(1.0)
 
     def is_ready(self) -> bool:
+        """/health answers 200 and /v1/models lists the model this server was asked to serve."""
         try:
             code, _ = _http_get(self.url + "/health", timeout=2.0)
             if code != 200:
                 return False
             code, body = _http_get(self.base_url + "/models", timeout=5.0, api_key=self.api_key)
-            return code == 200 and bool(json.loads(body).get("data"))
-        except (OSError, ValueError):
+            models = json.loads(body).get("data") if code == 200 else None
+            return isinstance(models, list) and any(
+                isinstance(m, dict) and m.get("id") == (self.served_model_name or self.model) for m in models)
+        except (OSError, ValueError, AttributeError):
             return False
+
+    def listens_here(self) -> Optional[bool]:
+        """Whether our server process (or a child of it) holds the listening socket on self.port; None
+        when the OS does not tell."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                connections = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6: connections
+                if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port for c in connections("inet")):
+                    return True
+            return False
+        except psutil.Error:
+            return None
 
     def log_tail(self, n: int = 25) -> str:
         try:

@@ -181,6 +181,24 @@ def test_failing_stage_is_named_with_its_log(tmp_path):
     assert "no-such-data.jsonl" in log.read_text()
 
 
+def test_a_foreign_server_on_server_port_stops_the_pipeline(tmp_path):
+    """Issue 18, case 1: another HTTP server on server.port (one that answers like vLLM) is never taken
+    for the server run_pipeline starts: exit 2, one error line, nothing sent to it, no generation."""
+    sys.path.insert(0, str(ROOT))
+    from tests.fault_server import FaultServer
+    from tests.helpers import error_line
+
+    run = tmp_path / "run"
+    with FaultServer(model=str(run / "target")) as other:
+        cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG), "--tiny-target", "llama",
+               "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}", "--set", f"server.port={other.port}"]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        line = error_line(res, f"port {other.port} on 127.0.0.1 is already in use by another process", "server.port: 0")
+        assert other.stats.chat_requests == 0, line
+    assert "run_pipeline: stopped in 01b_generate_synthetic" in res.stderr
+    assert not (run / "data" / "raw_responses.jsonl").exists() and not (run / "data" / "train.jsonl").exists()
+
+
 def alive(pid: int) -> bool:
     """True if pid is a running process (a zombie awaiting its reaper counts as dead)."""
     try:

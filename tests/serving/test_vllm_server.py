@@ -115,3 +115,34 @@ def test_cpu_attention_backend_for_a_float32_mla_target(tmp_path):
     assert cpu_attention_backend(mla, "bfloat16") is None  # AMX_MLA (or CPU_MLA) runs bf16: vLLM chooses
     assert cpu_attention_backend(dense, "float32") is None
     assert cpu_attention_backend("moonshotai/Kimi-K2.5", "float32") is None  # a hub id: nothing to read
+
+
+# ---- issue 18, case 1: a foreign server is never taken for ours
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    from tests.fault_server import FaultServer
+
+    with FaultServer(model="/m") as other:  # answers /health and /v1/models like vLLM would
+        python = fake_python(tmp_path, "touch " + str(tmp_path / "started") + "; sleep 300")
+        server = VllmServer("/m", port=other.port, python=python, log_path=tmp_path / "server.log", startup_timeout_s=30)
+        with pytest.raises(PipelineError, match=f"port {other.port} on 127.0.0.1 is already in use by another process"):
+            server.start()
+    assert not (tmp_path / "started").exists() and server.process is None
+
+
+def test_readiness_needs_our_process_listening_and_our_model(tmp_path):
+    from tests.fault_server import FaultServer
+
+    python = fake_python(tmp_path, "sleep 300")  # alive, never listens (a vLLM that lost the race for the port)
+    with FaultServer(model="/m") as other:
+        server = VllmServer("/m", python=python, log_path=tmp_path / "server.log", startup_timeout_s=30, stop_grace_s=1.0)
+        server.port = other.port  # the other server took the port between our check and our bind
+        t0 = time.monotonic()
+        with pytest.raises(PipelineError, match="is not the vLLM server this run started"):
+            server.start()
+        assert time.monotonic() - t0 < 15 and server.process is None
+    with FaultServer(model="another-model") as other:
+        server = VllmServer("/m", python=python, log_path=tmp_path / "server.log", startup_timeout_s=2, stop_grace_s=1.0)
+        server.port = other.port
+        assert not server.is_ready()  # it answers, but serves another model
