@@ -338,15 +338,18 @@ class StageManifest:
     """
 
     def __init__(self, layout: Layout, stage: str, inputs: dict[str, str | os.PathLike] | None = None,
-                 settings: dict | None = None, redo_on: Iterable[str] = ()):
+                 settings: dict | None = None, redo_on: Iterable[str] = (), added_later: Iterable[str] = ()):
         """inputs: {name: path (hashed here) or a precomputed fingerprint string}. redo_on: input
-        names or setting keys whose change means "redo those outputs" instead of an error."""
+        names or setting keys whose change means "redo those outputs" instead of an error.
+        added_later: inputs this code records that an older one did not: a manifest without them is
+        not a change (a run folder made before keeps working; the next write records them)."""
         self.layout, self.stage = layout, stage
         self.path = layout.manifest(stage)
         self.inputs = {name: (value if isinstance(value, str) else content_fingerprint(layout, value))
                        for name, value in (inputs or {}).items()}
         self.settings = json.loads(json.dumps(settings or {}, sort_keys=True, default=str))
         self.redo_on = set(redo_on)
+        self.added_later = set(added_later)
         self.previous = read_manifest(layout, stage)
 
     # -- deciding
@@ -355,7 +358,8 @@ class StageManifest:
         if self.previous is None:
             return [], []
         old_inputs, old_settings = self.previous.get("inputs") or {}, self.previous.get("settings") or {}
-        changed = [name for name in sorted(set(old_inputs) | set(self.inputs)) if old_inputs.get(name) != self.inputs.get(name)]
+        changed = [name for name in sorted(set(old_inputs) | set(self.inputs)) if old_inputs.get(name) != self.inputs.get(name)
+                   and not (name in self.added_later and name not in old_inputs)]
         changed += [key for key in sorted(set(old_settings) | set(self.settings)) if old_settings.get(key) != self.settings.get(key)]
         return [c for c in changed if c not in self.redo_on], [c for c in changed if c in self.redo_on]
 

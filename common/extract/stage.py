@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Callable
 
 from tqdm import tqdm
 
+from common.target.loading import target_fingerprint
 from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
@@ -167,7 +168,11 @@ def stage_manifest(cfg, info):
     target_config = Path(cfg.target.model) / "config.json"
     if target_config.is_file():
         inputs["target config.json"] = target_config
-    return StageManifest(layout, "02_extract_hidden", inputs=inputs, settings=_settings(cfg, info))
+    weights = target_fingerprint(layout, cfg.target.model)
+    if weights:  # new weights in the same shapes change every hidden state
+        inputs["target weights"] = weights
+    return StageManifest(layout, "02_extract_hidden", inputs=inputs, settings=_settings(cfg, info),
+                         added_later=["target weights"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,11 +383,13 @@ def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
     # Changed inputs or settings since the plan was made: one error asking for --overwrite.
     stage_manifest(cfg, info).begin(overwrite, outputs=[layout.hidden_index], started=plan_path.is_file())
     plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, layout)
-    header = index_header(plan["settings"], cfg.target.model, plan["inputs"])
+    header = index_header(plan["settings"], cfg.target.model, plan["inputs"], target_fingerprint(layout, cfg.target.model))
     todo, entries, note = survey(cfg, layout, plan)
     if not todo:
         index = build_index(header, plan["shards"], entries)
-        if not layout.hidden_index.is_file() or read_json(layout.hidden_index) != index:
+        existing = read_json(layout.hidden_index) if layout.hidden_index.is_file() else None
+        # an index written before 02 recorded target_weights stays as it is: 04 fingerprints index.json
+        if existing is None or existing not in (index, {k: v for k, v in index.items() if k != "target_weights"}):
             write_index(layout.hidden_index, index)
         for frag in layout.index_fragments():
             frag.unlink(missing_ok=True)

@@ -229,10 +229,12 @@ def shard_entry(shard: dict, written: dict) -> dict:
             "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
 
 
-def index_header(settings: dict, target_model: str, inputs: dict) -> dict:
+def index_header(settings: dict, target_model: str, inputs: dict, target_weights: str | None = None) -> dict:
     """index.json's fields before the shard list: the format version and the settings that shaped the
     states (settings: aux_layer_ids, num_target_layers, target_hidden_size, vocab_size, model_type,
-    dtype, target_dtype, storage when not "full"); inputs: the tokenized files they were made from."""
+    dtype, target_dtype, storage when not "full"); inputs: the tokenized files they were made from;
+    target_weights: the target's content fingerprint (common.target.loading.target_fingerprint), which 04
+    checks against the target it loads."""
     s = settings
     storage = storage_of(s)  # plans made before format 2 have no storage: "full"
     return {
@@ -248,6 +250,7 @@ def index_header(settings: dict, target_model: str, inputs: dict) -> dict:
         "target_model": target_model,
         "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"], storage),
         "inputs": inputs,
+        **({"target_weights": target_weights} if target_weights else {}),
     }
 
 

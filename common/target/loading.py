@@ -8,6 +8,7 @@ shards, and `load_target_info` reads only config.json.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -126,6 +127,23 @@ def _resolve_local_dir(path: str) -> Path:
         raise ConfigError(
             f"target.model '{path}' is not a local directory and is not in the local HF cache; download it first"
         ) from None
+
+
+def target_fingerprint(layout, model_path: str) -> str | None:
+    """What the target's hidden states depend on, by content: config.json, the safetensors index and every
+    *.safetensors file (sha256 each, cached by size and mtime in stages/hashes.json: a multi-GB weight
+    file is read once, and again only when it is rewritten). None for a hub id (the cache is immutable)."""
+    from common.core.run_folder import content_fingerprint
+
+    model_dir = Path(model_path)
+    if not model_dir.is_dir():
+        return None
+    files = [model_dir / "config.json", model_dir / "model.safetensors.index.json", *sorted(model_dir.glob("*.safetensors"))]
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(f"{f.name}\0{content_fingerprint(layout, f)}\n".encode())
+    return h.hexdigest()
 
 
 def _safetensors_key_index(model_dir: Path) -> dict[str, str]:

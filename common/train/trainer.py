@@ -57,7 +57,7 @@ from common.model.draft_vocab import load_vocab_map
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.train.export import export_final
 from common.core.io import JsonlAppender, atomic_write_json, read_json
-from common.target.loading import load_target_info, load_target_tensors
+from common.target.loading import load_target_info, load_target_tensors, target_fingerprint
 from common.train.optim import build_optimizer, lr_at, set_lr
 from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
@@ -133,6 +133,14 @@ class Trainer:
                 f"config resolves target.aux_layer_ids to {self.info.aux_layer_ids}; rerun 02_extract_hidden.py --overwrite "
                 f"(or fix target.aux_layer_ids)"
             )
+        recorded = self.index.raw.get("target_weights")  # rank 0 hashes (cached by size and mtime), the others get it
+        current = broadcast_object(target_fingerprint(layout, cfg.target.model) if env.is_main and recorded else None, env)
+        if recorded and recorded != current:
+            raise DataError(
+                f"the hidden states in {layout.hidden} were extracted from other target weights than those in "
+                f"target.model {cfg.target.model} now (config.json or *.safetensors changed since 02 ran); training "
+                f"on them would teach the draft a target that no longer exists: rerun 02_extract_hidden.py --overwrite, "
+                f"or restore the weights")
         if self.index.target_hidden_size != self.info.hidden_size:
             raise DataError(
                 f"hidden states have width {self.index.target_hidden_size} but target.model has hidden size "

@@ -423,3 +423,35 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_changed_target_weights_stop_02_and_04(tmp_path):
+    """Issue 18, case 2: the target's model.safetensors swapped for other weights of the same shapes.
+    02 used to say "already complete" and 04 --overwrite trained the new lm_head on the old states."""
+    from safetensors.torch import save_file
+
+    from tests.helpers import base_config, error_line, make_target, run_stage, structured_samples
+    from common.core.io import write_jsonl_atomic
+
+    target = make_target(tmp_path / "target")
+    run_dir = tmp_path / "run"
+    write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(12, 1, "tr"))
+    write_jsonl_atomic(run_dir / "data" / "eval.jsonl", structured_samples(4, 2, "ev"))
+    cfg = write_yaml(tmp_path / "run.yaml", base_config(run_dir, target, max_steps=2, eval_every=0, checkpoint_every=2))
+    for script in ("02_extract_hidden.py", "03_build_vocab_map.py"):
+        assert run_stage(script, cfg).returncode == 0
+    shards = {p.name: p.read_bytes() for p in (run_dir / "hidden").glob("shard-*")}
+    weights = target / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: (v * 1.5).contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+
+    error_line(run_stage("02_extract_hidden.py", cfg), "target weights changed", "--overwrite")
+    for args in ((), ("--overwrite",)):
+        error_line(run_stage("04_train.py", cfg, *args), "extracted from other target weights",
+                   "rerun 02_extract_hidden.py --overwrite")
+    assert {p.name: p.read_bytes() for p in (run_dir / "hidden").glob("shard-*")} == shards  # nothing rewritten
+    assert not (run_dir / "train" / "final").exists()
+    # re-extracted from the new weights, training goes on
+    assert run_stage("02_extract_hidden.py", cfg, "--overwrite").returncode == 0
+    assert {p.name: p.read_bytes() for p in (run_dir / "hidden").glob("shard-*")} != shards
+    assert run_stage("04_train.py", cfg, "--overwrite").returncode == 0
