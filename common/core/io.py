@@ -99,6 +99,39 @@ def read_json(path: str | os.PathLike) -> Any:
         raise DataError(f"{path} is not valid JSON ({e}); delete it or rerun the stage that writes it with --overwrite") from None
 
 
+def _has_lone_surrogate(obj: Any) -> bool:
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
+
+
+def parse_json(data: bytes | str) -> Any:
+    """json.loads for user data, every failure a ValueError with the reason: a UTF-8 BOM is skipped
+    (editors on Windows write one), invalid UTF-8, nesting too deep for Python's parser, and a lone
+    UTF-16 surrogate escape ("\\ud800", valid JSON but not text: it breaks every later write) are
+    refused."""
+    try:
+        text = data.decode("utf-8-sig") if isinstance(data, bytes) else data.removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8: {e}") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    # "\ud800".."\udfff" escapes are the only way JSON text yields a str that is not valid Unicode
+    if ("\\ud" in text or "\\uD" in text) and _has_lone_surrogate(obj):
+        raise ValueError("a lone UTF-16 surrogate escape (e.g. \\ud800) is not text")
+    return obj
+
+
 def iter_jsonl(path: str | os.PathLike, *, tolerate_torn_tail: bool = False, strict: bool = True) -> Iterator[dict]:
     """Yield the JSON objects of a JSONL file.
 
@@ -118,10 +151,10 @@ def iter_jsonl(path: str | os.PathLike, *, tolerate_torn_tail: bool = False, str
             continue
         is_tail = lineno == len(lines) and not ends_with_newline
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = parse_json(raw)
             if not isinstance(obj, dict):
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:
             if is_tail and tolerate_torn_tail:
                 return
             if strict:

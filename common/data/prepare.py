@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from common.core.errors import ConfigError, DataError
-from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
+from common.core.io import atomic_write_json, parse_json, read_json, write_jsonl_atomic
 from common.core.run_folder import Layout, StageManifest
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -68,12 +68,12 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
                 continue
             where = f"{path}:{lineno}"
             try:
-                text = raw.decode("utf-8")
+                raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield where, None, "invalid_utf8", str(e)
                 continue
             try:
-                row = json.loads(text)
+                row = parse_json(raw)
             except ValueError as e:
                 yield where, None, "malformed_json", str(e)
                 continue
@@ -86,8 +86,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
 def _iter_json(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
     """A .json file: a JSON array of rows, an object holding one list of rows, or JSONL in disguise."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        data = parse_json(path.read_bytes())
+    except ValueError:
         yield from _iter_jsonl(path)  # many datasets ship JSONL under a .json name
         return
     if isinstance(data, dict):
@@ -106,9 +106,21 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
     import datasets
 
+    with open(path, "rb") as f:  # a parquet file starts and ends with the magic "PAR1"
+        head = f.read(4)
+        f.seek(max(0, path.stat().st_size - 4))
+        tail = f.read(4)
+    if head != b"PAR1" or tail != b"PAR1":
+        raise DataError(f"{path} is named .parquet but is not a parquet file (no PAR1 magic at its start and end: "
+                        f"truncated, or another format renamed); rewrite it, or name it after its real format "
+                        f"(.jsonl, .json)")
     ds = datasets.load_dataset("parquet", data_files=[str(path)], split="train", streaming=True)
-    for i, row in enumerate(ds):
-        yield f"{path}[{i}]", row, None, ""
+    try:
+        for i, row in enumerate(ds):
+            yield f"{path}[{i}]", row, None, ""
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError: a damaged footer or page
+        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: {str(e)[:200]}); rewrite it "
+                        f"or remove it from data.source") from None
 
 
 def _iter_hub(name: str, subset: str | None, split: str) -> Iterator[tuple[str, Any, str | None, str]]:

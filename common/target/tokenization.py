@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from common.core.errors import DataError
+from common.core.io import parse_json
 
 # Message keys templates use for an assistant's reasoning: current vLLM and our templates
 # read `reasoning`, Qwen3/DeepSeek/Kimi templates read `reasoning_content`. We set both,
@@ -282,8 +283,8 @@ def parse_tokenized_line(line: bytes, path, lineno: int) -> dict:
     """
     where = f"{path}:{lineno}"
     try:
-        row = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as e:
+        row = parse_json(line)
+    except ValueError as e:
         raise DataError(f"{where}: malformed JSONL line ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
     if not isinstance(row, dict) or not all(k in row for k in ("id", "input_ids", "loss_mask")):
         raise DataError(f"{where}: expected an object with id, input_ids and loss_mask; rerun 01b_generate_synthetic.py --overwrite")

@@ -807,3 +807,50 @@ def test_disk_full_while_04_writes_a_checkpoint(cli, tmp_path, tmpfs, hidden_run
     b = load_file(str(run / "train" / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     assert not no_temp_files(run / "train")
+
+
+# ============================================================================ issue 18: cases 8-11 (hostile JSON)
+
+
+def test_01_lone_surrogates_and_deep_nesting_are_counted_skips(cli, tmp_path):
+    """Cases 8 and 9: "\\ud800" (valid JSON, not text) gave a UnicodeEncodeError traceback, a 200k-deep
+    nested line a RecursionError traceback."""
+    surrogate = b'{"messages": [{"role": "user", "content": "broken \\ud800 text"}]}'
+    deep = b"[" * 200_000 + b"]" * 200_000
+    res, report, prompts = prepare(cli, tmp_path, [surrogate, deep])
+    assert_ok(res)
+    assert_counted(report, prompts, malformed_json=2)
+    reasons = [e["detail"] for e in report["skipped_examples"]]
+    assert any("surrogate" in r for r in reasons) and any("nested too deeply" in r for r in reasons), reasons
+
+
+def test_01b_refuses_a_lone_surrogate_with_one_line(cli, tmp_path, chat_tokenizer_dir):
+    prompts = write_lines(tmp_path / "run" / "data" / "prompts.jsonl",
+                          [prompt(0), b'{"id": "p\\udc80", "messages": [{"role": "user", "content": "x"}]}'])
+    error_line(cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir)),
+               f"{prompts}:2: malformed JSONL line", "surrogate")
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json_array"])
+def test_01_utf8_bom_is_read_not_dropped(cli, tmp_path, layout):
+    """Case 11: a BOM dropped the first JSONL row silently and made a pretty-printed JSON array unreadable."""
+    if layout == "jsonl":
+        src = tmp_path / "source.jsonl"
+        src.write_bytes(b"\xef\xbb\xbf" + b"\n".join(json.dumps(r).encode() for r in GOOD_SOURCE) + b"\n")
+    else:
+        src = tmp_path / "source.json"
+        src.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD_SOURCE, indent=2).encode())
+    cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run"), "data": {"source": str(src)}})
+    assert_ok(cli("01_prepare_data.py", "--config", cfg))
+    report = json.loads((tmp_path / "run" / "data" / "prepare_report.json").read_text())
+    assert_counted(report, list(iter_jsonl(tmp_path / "run" / "data" / "prompts.jsonl")))
+
+
+@pytest.mark.parametrize("content", [b"", b"name,text\na,b\n", b"PAR1 truncated in the middle"])
+def test_01_a_parquet_name_on_other_bytes_is_one_error_line(cli, tmp_path, content):
+    """Case 10: pyarrow's traceback."""
+    src = tmp_path / "source.parquet"
+    src.write_bytes(content)
+    cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run"), "data": {"source": str(src)}})
+    error_line(cli("01_prepare_data.py", "--config", cfg), str(src), "not a parquet file")
+    assert not (tmp_path / "run" / "data" / "prompts.jsonl").exists()
