@@ -79,7 +79,7 @@ class DataConfig:
     eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05
     seed: Annotated[int, Seed] = 0
     system_prompt: Optional[str] = None  # prepended to every prompt that has none
-    max_user_turns: Annotated[int, Positive] = 1  # user turns kept per prompt; 01b answers them one by one
+    max_user_turns: Annotated[int, Range(ge=1, le=256)] = 1  # user turns kept per prompt; 01b answers them one by one
     dedupe: bool = True
 
 
@@ -88,15 +88,15 @@ class GenerateConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: Optional[str] = None  # served model name; null = the first one the server lists
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the API key
-    concurrency: Annotated[int, Positive] = 128
-    timeout_s: Annotated[float, Range(gt=0)] = 3600.0  # per request; must exceed the longest generation
-    max_retries: Annotated[int, NonNegative] = 8
-    backoff_initial_s: Annotated[float, NonNegative] = 1.0
-    backoff_max_s: Annotated[float, NonNegative] = 60.0
-    max_tokens: Annotated[int, Positive] = 2048
+    concurrency: Annotated[int, Range(ge=1, le=16384)] = 128
+    timeout_s: Annotated[float, Range(gt=0, le=604800)] = 3600.0  # per request; must exceed the longest generation
+    max_retries: Annotated[int, Range(ge=0, le=1000)] = 8
+    backoff_initial_s: Annotated[float, Range(ge=0, le=3600)] = 1.0
+    backoff_max_s: Annotated[float, Range(ge=0, le=86400)] = 60.0
+    max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 2048
     temperature: Annotated[float, NonNegative] = 0.6
     top_p: Annotated[float, Range(gt=0, le=1)] = 0.95
-    fsync_every: Annotated[int, Positive] = 32  # results per fsync of raw_responses.jsonl
+    fsync_every: Annotated[int, Range(ge=1, le=10**6)] = 32  # results per fsync of raw_responses.jsonl
     enable_thinking: Optional[bool] = None  # passed as chat_template_kwargs when set
     extra_body: dict = field(default_factory=dict)  # merged into every request body
     # 01b fails (exit 2, nothing tokenized) when more than this share of the prompts failed every retry.
@@ -105,7 +105,7 @@ class GenerateConfig:
 
 @dataclass
 class TokenizeConfig:
-    max_seq_len: Annotated[int, Range(ge=8)] = 2048
+    max_seq_len: Annotated[int, Range(ge=8, le=2**24)] = 2048
     # What to do with samples longer than max_seq_len: "truncate" or "drop".
     overlong: Literal["truncate", "drop"] = "truncate"
     # Where 01b takes a sample's token ids from: "template" re-renders the stored conversation
@@ -122,8 +122,8 @@ class ExtractConfig:
     # How the states are stored: "full" (extract.dtype) or "fp8" (e4m3 with a float32 scale per token per
     # tensor: ~half of bf16 on disk, decoded to the training dtype by 04; docs/design.md#fp8-hidden-states).
     storage: Literal["full", "fp8"] = "full"
-    batch_max_tokens: Annotated[int, Positive] = 16384  # tokens per forward batch (token budget, not sample count)
-    shard_max_tokens: Annotated[int, Positive] = 262144  # tokens per output shard
+    batch_max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 16384  # tokens per forward batch (token budget, not sample count)
+    shard_max_tokens: Annotated[int, Range(ge=1, le=2**26)] = 262144  # tokens per output shard
     device: Literal["auto", "cpu", "cuda"] = "auto"
     min_free_disk_gb: Annotated[float, NonNegative] = 1.0  # head-room kept free on top of the estimate
     # The most the hidden-state shards may take on disk. When the data set does not fit, 02 and 04 alternate
@@ -141,55 +141,55 @@ class ExtractConfig:
     # Who runs the target: vllm (its extract_hidden_states method: TP/EP, quantized MoE kernels, MLA),
     # hf (transformers + hooks: the reference, and for targets vLLM cannot run); auto = vllm where installed.
     backend: Literal["auto", "vllm", "hf"] = "auto"
-    tensor_parallel_size: Annotated[int, Positive] = 1  # vllm backend
-    data_parallel_size: Annotated[int, Positive] = 1  # vllm backend: engine copies, one process each (MoE targets)
+    tensor_parallel_size: Annotated[int, Range(ge=1, le=1024)] = 1  # vllm backend
+    data_parallel_size: Annotated[int, Range(ge=1, le=4096)] = 1  # vllm backend: engine copies, one process each (MoE targets)
     enable_expert_parallel: bool = False  # vllm backend: experts split over the TP x DP GPUs instead of TP-sliced
     gpu_memory_utilization: Optional[Annotated[float, Range(gt=0, le=1)]] = None  # vllm backend; null = 0.9 GPU, 0.3 CPU
 
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: Annotated[int, Positive] = 32000
+    draft_vocab_size: Annotated[int, Range(ge=1, le=2**24)] = 32000
 
 
 @dataclass
 class DraftConfig:
     # null = same as the target.
-    hidden_size: Optional[Annotated[int, Positive]] = None
-    intermediate_size: Optional[Annotated[int, Positive]] = None
-    num_attention_heads: Optional[Annotated[int, Positive]] = None
-    num_key_value_heads: Optional[Annotated[int, Positive]] = None
-    head_dim: Optional[Annotated[int, Positive]] = None
-    num_hidden_layers: Annotated[int, Positive] = 1
+    hidden_size: Optional[Annotated[int, Range(ge=1, le=2**17)]] = None
+    intermediate_size: Optional[Annotated[int, Range(ge=1, le=2**20)]] = None
+    num_attention_heads: Optional[Annotated[int, Range(ge=1, le=4096)]] = None
+    num_key_value_heads: Optional[Annotated[int, Range(ge=1, le=4096)]] = None
+    head_dim: Optional[Annotated[int, Range(ge=1, le=4096)]] = None
+    num_hidden_layers: Annotated[int, Range(ge=1, le=256)] = 1
     rope_theta: Optional[Annotated[float, Range(gt=0)]] = None
     rms_norm_eps: Optional[Annotated[float, Range(gt=0)]] = None
     norm_before_residual: bool = False
-    max_position_embeddings: Optional[Annotated[int, Positive]] = None
+    max_position_embeddings: Optional[Annotated[int, Range(ge=1, le=2**26)]] = None
 
 
 @dataclass
 class TrainConfig:
-    ttt_steps: Annotated[int, Positive] = 7
+    ttt_steps: Annotated[int, Range(ge=1, le=256)] = 7
     loss_decay: Annotated[float, Range(gt=0, le=1)] = 0.8
-    max_steps: Optional[Annotated[int, Positive]] = None  # optimizer steps; null = epochs * steps per epoch
-    epochs: Annotated[int, Positive] = 10
+    max_steps: Optional[Annotated[int, Range(ge=1, le=10**12)]] = None  # optimizer steps; null = epochs * steps per epoch
+    epochs: Annotated[int, Range(ge=1, le=100000)] = 10
     lr: Annotated[float, Range(gt=0)] = 1e-4
     min_lr: Annotated[float, NonNegative] = 0.0
     warmup_ratio: Annotated[float, Fraction] = 0.015
     weight_decay: Annotated[float, NonNegative] = 0.0
     betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.95])  # AdamW beta1, beta2
     grad_clip: Annotated[float, NonNegative] = 0.5  # 0 = no clipping
-    batch_max_tokens: Annotated[int, Positive] = 8192  # tokens per micro-batch per process
-    grad_accum: Annotated[int, Positive] = 1
+    batch_max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 8192  # tokens per micro-batch per process
+    grad_accum: Annotated[int, Range(ge=1, le=2**16)] = 1
     gradient_checkpointing: bool = False
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
     checkpoint_every: Annotated[int, Positive] = 500
-    keep_checkpoints: Annotated[int, Positive] = 3
+    keep_checkpoints: Annotated[int, Range(ge=1, le=10000)] = 3
     eval_every: Annotated[int, NonNegative] = 500  # 0 = only at the end
     log_every: Annotated[int, Positive] = 10
     seed: Annotated[int, Seed] = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"
-    num_workers: Annotated[int, NonNegative] = 0  # background threads reading the next micro-batches from the shards
+    num_workers: Annotated[int, Range(ge=0, le=1024)] = 0  # background threads reading the next micro-batches from the shards
     attention_impl: Literal["chunked", "flex", "naive"] = "chunked"  # TTT attention: chunked (exact, low memory) | flex (CUDA, compiled) | naive (reference)
     init_lm_head: Literal["random", "target"] = "random"  # target: the target's lm_head rows of the draft vocab
     # the loss's denominator: step-0 positions with a loss (counted) or every token of the step, as the
@@ -199,11 +199,11 @@ class TrainConfig:
 
 @dataclass
 class EvaluateConfig:
-    num_prompts: Annotated[int, Positive] = 64
-    num_speculative_tokens: Annotated[int, Positive] = 3
-    max_tokens: Annotated[int, Positive] = 256
+    num_prompts: Annotated[int, Range(ge=1, le=10**7)] = 64
+    num_speculative_tokens: Annotated[int, Range(ge=1, le=256)] = 3
+    max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 256
     temperature: Annotated[float, NonNegative] = 0.0
-    concurrency: Annotated[int, Positive] = 16
+    concurrency: Annotated[int, Range(ge=1, le=16384)] = 16
     # a second prompt set of another kind than the training data (never a data.source): 05 measures it too
     other_prompts: Optional[str] = None
     # also replay vLLM's rounds over the exact outputs vLLM served (loads the target in transformers: for small targets)
@@ -215,11 +215,11 @@ class ServerConfig:
     """How the pipeline starts vLLM itself (demo, evaluation, tests)."""
 
     port: Annotated[int, Range(ge=0, le=65535)] = 0  # 0 = pick a free loopback port
-    tensor_parallel_size: Annotated[int, Positive] = 1
-    max_model_len: Annotated[int, Positive] = 4096
+    tensor_parallel_size: Annotated[int, Range(ge=1, le=1024)] = 1
+    max_model_len: Annotated[int, Range(ge=1, le=2**26)] = 4096
     gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.9
     enforce_eager: bool = False
-    startup_timeout_s: Annotated[float, Range(gt=0)] = 900.0
+    startup_timeout_s: Annotated[float, Range(gt=0, le=604800)] = 900.0
     extra_args: list[str] = field(default_factory=list)
     reasoning_parser: Optional[str] = None
 
@@ -443,12 +443,22 @@ def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | Non
     return cfg
 
 
+MAX_CONFIG_VALUES = 100_000  # a config has a few hundred; far more is an alias bomb ("billion laughs")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)
+    and a key that is not a scalar (`? [a, b]`); merge keys (`<<: *defaults`) work, their keys
+    overridable as YAML says."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError(f"{self.name}, line {key_node.start_mark.line + 1}: a config key must be a plain name, "
+                                  f"got a {key_node.id} (a YAML complex key, `? ...`); write it as `name: value`")
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise ConfigError(
@@ -457,6 +467,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node, memo: dict[int, int]) -> int:
+    """How many values the YAML node stands for once its aliases are expanded (each shared node is
+    counted once per use, computed once: linear in the document, whatever the expansion)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts as one here; yaml refuses to construct it later
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
@@ -470,7 +496,11 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
         loader = _UniqueKeyLoader(path.read_text(encoding="utf-8"))
         loader.name = str(path)  # named in the duplicate-key error
         try:
-            tree = loader.get_single_data()
+            node = loader.get_single_node()
+            if node is not None and _expanded_size(node, {}) > MAX_CONFIG_VALUES:
+                raise ConfigError(f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values through its YAML "
+                                  f"aliases (*name); a config needs a few hundred: remove the aliases that multiply")
+            tree = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
     except yaml.YAMLError as e:

@@ -114,17 +114,17 @@ def test_defaults_are_a_valid_config():
     ("train.log_every=0", "config key 'train.log_every' must be >= 1, got 0"),
     ("train.checkpoint_every=0", "config key 'train.checkpoint_every' must be >= 1, got 0"),
     ("train.betas=[0.9,2.0]", "config key 'train.betas[1]' must be >= 0 and < 1, got 2.0"),
-    ("generate.backoff_initial_s=-1", "config key 'generate.backoff_initial_s' must be >= 0, got -1.0"),
+    ("generate.backoff_initial_s=-1", "config key 'generate.backoff_initial_s' must be >= 0 and <= 3600, got -1.0"),
     ("generate.temperature=-3", "config key 'generate.temperature' must be >= 0, got -3.0"),
     ("generate.top_p=7", "config key 'generate.top_p' must be > 0 and <= 1, got 7.0"),
     ("train.warmup_ratio=5", "config key 'train.warmup_ratio' must be >= 0 and <= 1, got 5.0"),
     ("train.grad_clip=-1", "config key 'train.grad_clip' must be >= 0, got -1.0"),
-    ("train.epochs=0", "config key 'train.epochs' must be >= 1, got 0"),
+    ("train.epochs=0", "config key 'train.epochs' must be >= 1 and <= 100000, got 0"),
     ("train.eval_every=-1", "config key 'train.eval_every' must be >= 0, got -1"),
     ("extract.min_free_disk_gb=-100", "config key 'extract.min_free_disk_gb' must be >= 0, got -100.0"),
-    ("train.num_workers=-2", "config key 'train.num_workers' must be >= 0, got -2"),
+    ("train.num_workers=-2", "config key 'train.num_workers' must be >= 0 and <= 1024, got -2"),
     ("server.port=99999", "config key 'server.port' must be >= 0 and <= 65535, got 99999"),
-    ("evaluate.num_prompts=0", "config key 'evaluate.num_prompts' must be >= 1, got 0"),
+    ("evaluate.num_prompts=0", "config key 'evaluate.num_prompts' must be >= 1 and <= 10000000, got 0"),
     ("generate.max_failure_fraction=1.5", "config key 'generate.max_failure_fraction' must be >= 0 and <= 1, got 1.5"),
     ("train.precision=bf17", "config key 'train.precision' must be one of auto, bf16, fp32, got 'bf17'; did you mean 'bf16'?"),
     ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"),
@@ -151,3 +151,42 @@ def test_config_duplicate_keys_are_an_error(tmp_path):
     cfg.write_text("run_dir: out\ntrain:\n  lr: 1.0e-4\n  max_steps: 10\n  lr: 3.0e-4\n")
     error_line(run_stage("04_train.py", cfg, timeout=120),
                f"config key 'lr' appears twice in one section of {cfg} (lines 3 and 5); keep one of them")
+
+
+# ---- issue 18, cases 6, 7 and 12: hostile YAML and absurd counts
+
+
+def test_yaml_merge_keys_work_and_complex_keys_are_one_line(tmp_path):
+    cfg = tmp_path / "merge.yaml"
+    cfg.write_text("run_dir: run\ngenerate: &sampling\n  max_tokens: 64\n  temperature: 0.0\n  concurrency: 4\n"
+                   "evaluate:\n  <<: *sampling\n  concurrency: 8\n")
+    loaded = load_config(cfg)
+    assert (loaded.evaluate.max_tokens, loaded.evaluate.temperature, loaded.evaluate.concurrency) == (64, 0.0, 8)
+    assert loaded.generate.concurrency == 4
+    cfg.write_text("run_dir: run\n? [a, b]\n: 1\n")
+    with pytest.raises(ConfigError, match="line 2: a config key must be a plain name, got a sequence"):
+        load_config(cfg)
+    cfg.write_text("run_dir: run\ntrain:\n  lr: 0.1\n  <<: {lr: 0.2, max_steps: 3}\n  lr: 0.3\n")
+    with pytest.raises(ConfigError, match="config key 'lr' appears twice"):  # merged keys do not count, repeated ones do
+        load_config(cfg)
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    lines = ["run_dir: run", "generate:", "  extra_body:", '    l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]  # 9^9 = 387M strings
+    cfg = tmp_path / "bomb.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    line = error_line(run_stage("01_prepare_data.py", cfg, timeout=60))
+    assert "expands to more than 100,000 values through its YAML aliases" in line
+
+
+@pytest.mark.parametrize("override, message", [
+    ("generate.concurrency=1e9", "config key 'generate.concurrency' must be >= 1 and <= 16384, got 1000000000"),
+    ("train.ttt_steps=100000", "config key 'train.ttt_steps' must be >= 1 and <= 256, got 100000"),
+    ("extract.shard_max_tokens=1e12", "config key 'extract.shard_max_tokens' must be >= 1 and <= 67108864"),
+    ("evaluate.num_speculative_tokens=1000", "config key 'evaluate.num_speculative_tokens' must be >= 1 and <= 256"),
+])
+def test_counts_have_upper_bounds(override, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"run_dir": "run"}, [override])
+    assert message in str(e.value)

@@ -466,7 +466,7 @@ def test_config_unknown_key_names_the_closest_valid_one(cli, tmp_path, tree, arg
     ({"train": {"lr": "fast"}}, [], ["config key 'train.lr' must be a number, got 'fast'"]),
     ({}, ["--set", "generate.concurrency=lots"], ["config key 'generate.concurrency' must be an integer, got 'lots'"]),
     ({"target": {"aux_layer_ids": "1,2,3"}}, [], ["config key 'target.aux_layer_ids' must be a list"]),
-    ({"train": {"ttt_steps": 0}}, [], ["config key 'train.ttt_steps' must be >= 1, got 0"]),
+    ({"train": {"ttt_steps": 0}}, [], ["config key 'train.ttt_steps' must be >= 1 and <= 256, got 0"]),
     ({"tokenize": {"overlong": "chop"}}, [], ["config key 'tokenize.overlong' must be one of truncate, drop, got 'chop'"]),
 ], ids=["number", "integer", "list", "range", "choice"])
 def test_config_wrong_value_type_names_the_key(cli, tmp_path, tree, args, fragments):
