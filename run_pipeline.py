@@ -275,7 +275,13 @@ class Pipeline:
 
         self.args, self.cfg = args, cfg
         self.layout = Layout.of(cfg)
-        self.layout.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            self.layout.logs.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from common.core.errors import PipelineError
+
+            raise PipelineError(f"cannot write under run_dir {self.layout.run_dir} ({e.strerror}); point run_dir at a "
+                                f"writable directory") from None
         self.stage_args = ["--config", str(Path(args.config).resolve())] + [a for o in args.overrides for a in ("--set", o)]
         self.timings: list[tuple[str, float, str]] = []
         self.current = "start"
@@ -479,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         if pipeline is not None:
             pipeline.stop_background()
             pipeline.stop_server()
-            pipeline.record_run(outcome)
+            try:
+                pipeline.record_run(outcome)
+            except OSError:
+                pass  # run_dir went read-only or full: the error said above is what matters
 
 
 if __name__ == "__main__":

@@ -421,6 +421,8 @@ def _resolve_paths(tree: dict, base: Path) -> None:
         if not isinstance(node, dict):
             continue
         value = node.get(path_key[-1])
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # `run_dir: 5` is the folder "5" next to the YAML, like any relative path
         if not isinstance(value, str) or not value or os.path.isabs(value):
             continue
         value = os.path.expanduser(value)
@@ -524,6 +526,11 @@ def _require(cond: bool, message: str) -> None:
 def validate(cfg: Config) -> None:
     """Value checks that types alone cannot express."""
     _require(bool(cfg.run_dir), "run_dir must be set (the directory every stage writes under)")
+    existing = Path(cfg.run_dir)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the nearest part of the path that exists must be a directory
+    _require(existing.is_dir(), f"run_dir {cfg.run_dir}: {existing} is a file, not a directory; point run_dir at a "
+                                f"directory (it is created when missing)")
     ids = cfg.target.aux_layer_ids
     if ids is not None:
         _require(len(ids) >= 1, "target.aux_layer_ids must list at least one layer id, or be null for the default")

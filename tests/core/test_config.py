@@ -190,3 +190,22 @@ def test_counts_have_upper_bounds(override, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"run_dir": "run"}, [override])
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("script", ["01_prepare_data.py", "03_build_vocab_map.py", "05_evaluate.py", "run_pipeline.py"])
+def test_run_dir_on_a_file_is_one_error_line(tmp_path, script):
+    """Issue 18, case 13: NotADirectoryError tracebacks."""
+    (tmp_path / "afile").write_text("not a folder")
+    for run_dir in ("afile", "afile/run"):
+        cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": run_dir})
+        error_line(run_stage(script, cfg, timeout=120), f"run_dir {tmp_path / run_dir}: {tmp_path / 'afile'} is a file, "
+                                                        f"not a directory")
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+def test_a_numeric_run_dir_is_a_folder_next_to_the_yaml(tmp_path):
+    """Issue 18, case 21: `run_dir: 5` wrote under the working directory."""
+    (tmp_path / "configs").mkdir()
+    cfg = tmp_path / "configs" / "run.yaml"
+    cfg.write_text("run_dir: 5\n")
+    assert load_config(cfg).run_dir == str(tmp_path / "configs" / "5")

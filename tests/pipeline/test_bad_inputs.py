@@ -854,3 +854,15 @@ def test_01_a_parquet_name_on_other_bytes_is_one_error_line(cli, tmp_path, conte
     cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run"), "data": {"source": str(src)}})
     error_line(cli("01_prepare_data.py", "--config", cfg), str(src), "not a parquet file")
     assert not (tmp_path / "run" / "data" / "prompts.jsonl").exists()
+
+
+def test_run_pipeline_on_a_read_only_run_dir_is_one_error_line(tmp_path, tmpfs):
+    """Issue 18, case 14: an OSError traceback from run_pipeline's `finally`."""
+    fs = tmpfs("4m")
+    res = subprocess.run(["mount", "-o", "remount,ro", str(fs.path)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {res.stderr.strip()}")
+    done = subprocess.run([PYTHON, str(REPO / "run_pipeline.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
+                           "--set", f"run_dir={fs.path / 'run'}", "--set", f"target.model={tmp_path / 'target'}"],
+                          cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=300)
+    error_line(done, f"cannot write under run_dir {fs.path / 'run'}", "Read-only file system")
