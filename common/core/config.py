@@ -523,6 +523,20 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_url(url: str, key: str) -> None:
+    """An http(s) URL with a host and, if given, a port in 1..65535 (the client's traceback otherwise)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when out of range or not a number
+    except ValueError as e:
+        raise ConfigError(f"config key '{key}' is not a valid URL ({e}): {url!r}; for example http://127.0.0.1:8000/v1") from None
+    _require(parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0,
+             f"config key '{key}' must be an http(s) URL with a host (and a port in 1..65535), got {url!r}; for example "
+             f"http://127.0.0.1:8000/v1")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that types alone cannot express."""
     _require(bool(cfg.run_dir), "run_dir must be set (the directory every stage writes under)")
@@ -541,6 +555,7 @@ def validate(cfg: Config) -> None:
         _require(all(i >= 0 for i in ids), f"target.aux_layer_ids must be >= 0, got {ids}")
     # Single values are checked by their types (Literal choices, Range bounds) in _check_value.
     g = cfg.generate
+    _check_url(g.base_url, "generate.base_url")
     _require(g.backoff_max_s >= g.backoff_initial_s,
              f"generate.backoff_max_s ({g.backoff_max_s:g}) must be >= generate.backoff_initial_s ({g.backoff_initial_s:g})")
     _require(not cfg.extract.stream or cfg.extract.max_disk_gb is not None,

@@ -136,6 +136,11 @@ def test_defaults_are_a_valid_config():
     ("train.seed=-1", "config key 'train.seed' must be >= 0 and <= 2147483647, got -1"),
     ("train.seed=1e30", "config key 'train.seed' must be >= 0 and <= 2147483647, got 1000000000000000019884624838656"),
     ("data.seed=4294967296", "config key 'data.seed' must be >= 0 and <= 2147483647, got 4294967296"),
+    # issue 18, case 15: a port out of range in the URL gave an ExceptionGroup traceback in 01b
+    ("generate.base_url=http://127.0.0.1:99999/v1", "config key 'generate.base_url' is not a valid URL (Port out of range "
+                                                    "0-65535): 'http://127.0.0.1:99999/v1'; for example http://127.0.0.1:8000/v1"),
+    ("generate.base_url=localhost:8000/v1", "config key 'generate.base_url' must be an http(s) URL with a host (and a port "
+                                            "in 1..65535), got 'localhost:8000/v1'; for example http://127.0.0.1:8000/v1"),
 ])
 def test_config_values_are_checked_at_load(tmp_path, override, message):
     """Issue 10, cases 5 and 8: values that gave tracebacks, or were accepted, are one line at load."""
