@@ -481,7 +481,11 @@ async def resolve_model(client, cfg: Config) -> str:
         raise PipelineError(f"the server at {g.base_url} answered {e.status_code} to GET /models; is it an OpenAI-compatible server?") from None
     except (openai.APIConnectionError, ValueError) as e:
         raise _unreachable(cfg, e) from None
-    served = [m.id for m in getattr(page, "data", None) or []]
+    except (AttributeError, TypeError):  # openai's parser on a 200 that is not JSON (an HTML page)
+        raise PipelineError(f"the server at {g.base_url} answered GET /models with something that is not an OpenAI model "
+                            f"list (an HTML page?); point generate.base_url at an OpenAI-compatible server such as vLLM "
+                            f"(its URL ends in /v1)") from None
+    served = [m.id for m in getattr(page, "data", None) or [] if isinstance(getattr(m, "id", None), str)]
     if g.model:
         if g.model not in served:
             raise PipelineError(f"generate.model '{g.model}' is not served at {g.base_url} (it serves {served}); fix generate.model or set it to null")

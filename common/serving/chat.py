@@ -77,7 +77,11 @@ def server_root(base_url: str) -> str:
 
 def served_model(client) -> str:
     """The first model a (blocking) client's server lists."""
-    models = [m.id for m in client.models.list().data]
+    try:
+        models = [m.id for m in client.models.list().data]
+    except (AttributeError, TypeError):  # openai's parser on a 200 that is not JSON (an HTML page)
+        raise PipelineError("the server answered GET /v1/models with something that is not an OpenAI model list (an HTML "
+                            "page?); is it the vLLM server?") from None
     if not models:
         raise PipelineError("the vLLM server lists no models")
     return models[0]

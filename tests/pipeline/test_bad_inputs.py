@@ -866,3 +866,35 @@ def test_run_pipeline_on_a_read_only_run_dir_is_one_error_line(tmp_path, tmpfs):
                            "--set", f"run_dir={fs.path / 'run'}", "--set", f"target.model={tmp_path / 'target'}"],
                           cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=300)
     error_line(done, f"cannot write under run_dir {fs.path / 'run'}", "Read-only file system")
+
+
+def test_01b_a_server_that_answers_html_is_one_error_line(cli, tmp_path, chat_tokenizer_dir):
+    """Issue 18, case 16: GET /v1/models answered 200 text/html (a web page at base_url): AttributeError."""
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>It works!</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        prompts = [prompt(i) for i in range(3)]
+        write_prompts(tmp_path, prompts)
+        base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        error_line(cli("01b_generate_synthetic.py", "--config", gen_config(tmp_path, chat_tokenizer_dir, base_url)),
+                   f"the server at {base_url} answered GET /models with something that is not an OpenAI model list")
+    finally:
+        server.shutdown()
+    assert not (tmp_path / "run" / "data" / "raw_responses.jsonl").exists()
