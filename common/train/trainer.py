@@ -347,11 +347,22 @@ class Trainer:
                     f"vocab/, train.batch_max_tokens or train.seed changed); rerun with --overwrite to start over"
                 )
             self.step, self.pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
+            if self.step > self.total_steps:
+                raise ConfigError(
+                    f"the latest checkpoint {path} is at step {self.step}, past the {self.total_steps} steps this config "
+                    f"trains (train.max_steps={self.t.max_steps}); raise train.max_steps to at least {self.step} to go on "
+                    f"from it, or rerun with --overwrite to train {self.total_steps} steps from scratch")
             self.ledger = self.resumed_ledger(path, state)
             self.tokens_seen, self.elapsed_before = int(state["tokens_seen"]), float(state["elapsed_s"])
             self.last_train_loss = float(state.get("last_train_loss", float("nan")))
             rank_state = state["rank_state"]
-            if state.get("world_size") == self.env.world_size and "log_window" in rank_state:
+            saved_k = state.get("ttt_steps")
+            if saved_k is None and "log_window" in rank_state:  # saved before checkpoints recorded it
+                saved_k = (len(rank_state["log_window"]) - 2) // 3
+            if saved_k not in (None, K):  # the weights do not depend on it: train on with the new number of TTT steps
+                self.say(f"04_train: note: the checkpoint trained with train.ttt_steps={saved_k}, this run uses {K}; "
+                         f"the loss from here on is over {K} steps")
+            elif state.get("world_size") == self.env.world_size and "log_window" in rank_state:
                 # continue the interrupted run's partial logging window: identical metrics lines
                 self.window.load_flat(rank_state["log_window"])
                 self.window_steps, self.window_time = int(rank_state["window_steps"]), float(rank_state["window_time"])
@@ -473,9 +484,15 @@ class Trainer:
                               "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed})
                 decision = self.manifest.begin(overwrite, outputs=[layout.final],
                                                started=layout.final.exists() or layout.checkpoints.exists())
-                if decision == "complete" and int(self.manifest.result.get("steps", -1)) < self.total_steps:
+                done = int(self.manifest.result.get("steps", -1))
+                if decision == "complete" and done < self.total_steps:
                     self.manifest.partial(self.manifest.result)  # more steps asked for: train on from the last checkpoint
                     decision = "resume"
+                elif decision == "complete" and done > self.total_steps:
+                    raise ConfigError(
+                        f"{layout.final} holds a draft trained for {done} steps but this config trains {self.total_steps} "
+                        f"(train.max_steps={self.t.max_steps}); set train.max_steps back to {done} (or more, to train "
+                        f"on), or rerun with --overwrite to train a {self.total_steps}-step draft")
             except PipelineError as e:
                 decision = e
         decision = broadcast_object(decision, self.env)
@@ -597,6 +614,7 @@ class Trainer:
             "fingerprint": self.fingerprint, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed(),
             "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
             "global_micro_batches": self.data.micro_per_step, "last_train_loss": self.last_train_loss,
+            "ttt_steps": self.K,
         }
         rank_state = {"log_window": self.window.flat.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
         save_checkpoint(self.layout, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state,

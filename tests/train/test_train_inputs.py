@@ -84,3 +84,38 @@ def test_04_verifies_the_shards_it_loads(tmp_path, hidden_run):
         f.write(b"\0" * 8)
     error_line(run_stage("04_train.py", cfg), f"hidden shard {shard} does not match the sha256", "rerun 02_extract_hidden.py")
     assert not (tmp_path / "run" / "train" / "final").exists()
+
+
+# ============================================================================ issue 18, cases 17 and 18
+
+
+def test_04_resumes_with_another_ttt_steps(tmp_path, hidden_run):
+    """Case 17: a checkpoint from a run with another train.ttt_steps gave a ValueError traceback. The weights do
+    not depend on it, so training goes on with the new count (and says so)."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=6, checkpoint_every=2, eval_every=0, log_every=1)
+    assert run_stage("04_train.py", cfg, "--set", "train.max_steps=4").returncode == 0
+    shutil.rmtree(tmp_path / "run" / "train" / "final")
+    res = run_stage("04_train.py", cfg, "--set", "train.ttt_steps=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "the checkpoint trained with train.ttt_steps=3, this run uses 2" in res.stdout
+    rows = [r for r in read_metrics(tmp_path / "run") if r["type"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [len(r["step_acc"]) for r in rows] == [3, 3, 3, 3, 2, 2]
+
+
+def test_04_max_steps_below_the_finished_or_checkpointed_steps_is_an_error(tmp_path, hidden_run):
+    """Case 18: a 6-step draft was called "already complete (3 steps)"; with final/ gone, checkpoint step-6
+    and max_steps=3 "resumed" at step 6/3 and exported the 6-step draft as the 3-step one."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=6, checkpoint_every=2, eval_every=0)
+    assert run_stage("04_train.py", cfg).returncode == 0
+    final = tmp_path / "run" / "train" / "final" / "model.safetensors"
+    before = final.read_bytes()
+    error_line(run_stage("04_train.py", cfg, "--set", "train.max_steps=3"), "holds a draft trained for 6 steps but this "
+               "config trains 3", "--overwrite")
+    assert final.read_bytes() == before
+    shutil.rmtree(tmp_path / "run" / "train" / "final")
+    error_line(run_stage("04_train.py", cfg, "--set", "train.max_steps=3"), "checkpoints/step-6 is at step 6, past the 3 "
+               "steps this config trains", "raise train.max_steps to at least 6")
+    assert not final.exists()
+    res = run_stage("04_train.py", cfg, "--set", "train.max_steps=3", "--overwrite")
+    assert res.returncode == 0 and "done: 3 steps" in res.stdout
