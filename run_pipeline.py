@@ -474,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as e:
         if pipeline is not None:
             print(f"run_pipeline: stopped in {pipeline.current}", file=sys.stderr)
-        print(f"error: {e}", file=sys.stderr)  # the contract's one error line, the last one
+        from common.core.errors import printable
+
+        print(f"error: {printable(str(e))}", file=sys.stderr)  # the contract's one error line, the last one
         return 2
     except KeyboardInterrupt:
         outcome = "interrupted"

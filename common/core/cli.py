@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Callable
 
-from common.core.errors import PipelineError
+from common.core.errors import PipelineError, printable
 
 
 def build_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
@@ -76,7 +76,7 @@ def stage_main(
         with _stage_lock(cfg, prog):
             code = run(cfg, args)
     except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):

@@ -16,3 +16,10 @@ class ConfigError(PipelineError):
 
 class DataError(PipelineError):
     """Invalid input data: malformed file, wrong fields, mismatched tokenizer."""
+
+
+def printable(text: str) -> str:
+    """text with every character a terminal would act on written as an escape (ESC, BEL, CR, bidi
+    overrides, ...): error lines quote user data (sample ids, file contents), which must not set the
+    terminal title or clear the screen. Newlines stay: some messages quote a log's last lines."""
+    return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -898,3 +898,13 @@ def test_01b_a_server_that_answers_html_is_one_error_line(cli, tmp_path, chat_to
     finally:
         server.shutdown()
     assert not (tmp_path / "run" / "data" / "raw_responses.jsonl").exists()
+
+
+def test_escape_sequences_in_user_data_are_printed_escaped(cli, tmp_path, config_only_target):
+    """Issue 18, case 20: a sample id with terminal escapes (set the title, clear the screen) was printed raw."""
+    evil = "s\x1b]0;pwned\x07\x1b[2J\u202e"
+    cfg = tokenized_run(tmp_path, config_only_target, [GOOD_ROWS[0], {"id": evil, "input_ids": [], "loss_mask": []}])
+    res = cli("02_extract_hidden.py", "--config", cfg)
+    line = error_line(res, "has no tokens")
+    assert "\x1b" not in res.stderr and "\x07" not in res.stderr and "\u202e" not in res.stderr
+    assert "sample 's\\x1b]0;pwned\\x07\\x1b[2J\\u202e'" in line
