@@ -174,6 +174,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure(f"{name}: {msg}", name, code, retryable, retry_after)
     if isinstance(exc, MissingTokenIds):
         return Failure(f"{name}: {msg}", name, None, False)
+    if isinstance(exc, (UnicodeError, TypeError)):  # raised building the request: it will never be sent
+        return Failure(f"the request cannot be encoded ({name}: {msg})", name, None, False)
     if isinstance(exc, (openai.APIConnectionError, MalformedResponse, ValueError, openai.APIResponseValidationError)):
         # APITimeoutError is an APIConnectionError; ValueError covers bodies that are not JSON.
         return Failure(f"{name}: {msg}", name, None, True)
@@ -359,6 +361,7 @@ class Generator:
                 "status_code": failure.status_code,
                 "attempts": attempts,
                 "turn": turn,
+                "retryable": failure.retryable,  # false: the same request fails the same way (400, unencodable)
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
         )
@@ -668,7 +671,14 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_tokenizer_of(cfg)
     manifest = stage_manifest(cfg, layout, tokenizer)
-    if manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl]) == "complete":
+    status = manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl])
+    recorded = manifest.result.get("raw_responses_bytes")
+    if status == "complete" and recorded is not None and layout.raw_responses.stat().st_size != recorded:
+        # damaged or cut after it was complete (a disk error, a bad copy): re-read it, redo what is lost
+        print(f"01b_generate_synthetic: {layout.raw_responses} has {layout.raw_responses.stat().st_size} bytes, "
+              f"{recorded} when 01b completed; checking it again and regenerating what is missing")
+        status = "resume"
+    if status == "complete":
         r = manifest.result
         print(f"01b_generate_synthetic: already complete ({r.get('num_done')} samples generated; train {r.get('train')}, "
               f"eval {r.get('eval')}) in {layout.data}; use --overwrite to redo")
@@ -689,11 +699,12 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     tok = tokenize_outputs(cfg, layout, prompts, done, tokenizer)
     report |= {"tokenize": tok, "complete": not still_failed}
     atomic_write_json(layout.generate_report, report)
-    result = {"num_done": report["num_done"], "num_failed": len(still_failed), "train": tok["train"], "eval": tok["eval"]}
+    result = {"num_done": report["num_done"], "num_failed": len(still_failed), "train": tok["train"], "eval": tok["eval"],
+              "raw_responses_bytes": layout.raw_responses.stat().st_size if layout.raw_responses.exists() else 0}
     # Complete only with no failures left: a rerun retries them (with a server).
     manifest.complete(result) if not still_failed else manifest.partial(result)
     print(f"01b_generate_synthetic: {generation_line(report)}{report['num_done']}/{len(prompts)} done, {len(still_failed)} failed"
-          f"{' (rerun to retry them; reasons in ' + str(layout.failed) + ')' if still_failed else ''}; "
+          f"{failed_advice(layout, still_failed)}; "
           f"tokenized train {tok['train']}, eval {tok['eval']}, {tok['tokens']} tokens ({tok['loss_tokens']} with loss), "
           f"{tok['truncated']} truncated, skipped {tok['skipped'] or 0}")
     return 0
@@ -803,6 +814,18 @@ def account_results(layout: Layout, prompts: list[dict], done: dict[str, dict], 
     still_failed = finalize_failed(layout, prompt_ids, done_ids)
     report |= {"num_done": len(done_ids), "num_failed": len(still_failed), "interrupted": interrupted}
     return still_failed
+
+
+def failed_advice(layout: Layout, still_failed: dict[str, dict]) -> str:
+    """What to do about the failed prompts: a rerun retries them, which helps only for transient trouble."""
+    if not still_failed:
+        return ""
+    final = sum(r.get("retryable") is False for r in still_failed.values())
+    if not final:
+        return f" (rerun to retry them; reasons in {layout.failed})"
+    transient = len(still_failed) - final
+    return (f" ({final} rejected as invalid or not encodable, which a rerun repeats: fix or remove those prompts"
+            f"{f'; {transient} for transient reasons, which a rerun retries' if transient else ''}; reasons in {layout.failed})")
 
 
 def check_failure_share(cfg: Config, layout: Layout, report: dict, still_failed: dict[str, dict], manifest: StageManifest) -> None:

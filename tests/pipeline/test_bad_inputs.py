@@ -908,3 +908,38 @@ def test_escape_sequences_in_user_data_are_printed_escaped(cli, tmp_path, config
     line = error_line(res, "has no tokens")
     assert "\x1b" not in res.stderr and "\x07" not in res.stderr and "\u202e" not in res.stderr
     assert "sample 's\\x1b]0;pwned\\x07\\x1b[2J\\u202e'" in line
+
+
+def test_01b_redoes_what_a_damaged_raw_responses_tail_lost(cli, tmp_path, chat_tokenizer_dir):
+    """Issue 18, case 22: after the tail of raw_responses.jsonl was cut, 01b said "already complete"."""
+    prompts = [prompt(i) for i in range(6)]
+    write_prompts(tmp_path, prompts)
+    with FaultServer() as server:
+        cfg = gen_config(tmp_path, chat_tokenizer_dir, server.base_url)
+        assert_ok(cli("01b_generate_synthetic.py", "--config", cfg))
+        raw_path = tmp_path / "run" / "data" / "raw_responses.jsonl"
+        lines = raw_path.read_bytes().splitlines(keepends=True)
+        lost = json.loads(lines[-1])["id"]
+        raw_path.write_bytes(b"".join(lines[:-1]) + lines[-1][:10])  # the last record cut mid-line
+        before = server.stats.chat_requests
+        res = cli("01b_generate_synthetic.py", "--config", cfg)
+        assert_ok(res)
+        assert "checking it again" in res.stdout and "already complete" not in res.stdout
+        assert server.stats.chat_requests == before + 1  # only the lost prompt was asked again
+    report, raw, failed, samples = generate_outputs(tmp_path)
+    assert_each_id_once(prompts, raw, failed) and failed == []
+    assert sorted(s["id"] for s in samples) == sorted(p["id"] for p in prompts) and lost in {r["id"] for r in raw}
+    assert "already complete" in cli("01b_generate_synthetic.py", "--config", cfg).stdout
+
+
+def test_01b_failures_a_rerun_cannot_fix_are_not_retried_or_called_retryable():
+    """Issue 18, case 22: a request that cannot be encoded was retried six times and reported as "rerun to retry"."""
+    from common.core.run_folder import Layout
+    from common.data.generate import classify, failed_advice
+
+    failure = classify(UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"))
+    assert not failure.retryable and failure.reason.startswith("the request cannot be encoded")
+    layout = Layout.of("/run")
+    advice = failed_advice(layout, {"a": {"retryable": False}, "b": {"retryable": True}})
+    assert "1 rejected as invalid or not encodable, which a rerun repeats" in advice and "1 for transient reasons" in advice
+    assert failed_advice(layout, {"b": {"retryable": True}}).startswith(" (rerun to retry them")
