@@ -57,6 +57,7 @@ class Faults:
     max_faults_per_request: Optional[int] = None  # afterwards a request always succeeds
     latency_s: float = 0.0  # fixed latency added to every chat completion
     chat_status: Optional[int] = None  # answer every chat completion with this error status (401: a rejected key)
+    drip_s: float = 0.0  # > 0: send every chat completion one byte per drip_s seconds (each read is quick, the whole is not)
 
 
 @dataclass
@@ -311,6 +312,14 @@ class FaultServer:
             if kind == "hang":
                 await asyncio.sleep(self.faults.hang_s)
                 return False
+            if self.faults.drip_s > 0:
+                s.faults["drip"] += 1
+                message = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(full)}\r\n\r\n".encode() + full
+                for i in range(len(message)):
+                    writer.write(message[i:i + 1])
+                    await writer.drain()
+                    await asyncio.sleep(self.faults.drip_s)
+                return True
             if kind in ("500", "503", "429"):
                 extra = "Retry-After: 0\r\n" if kind == "429" else ""
                 return await self._json(writer, int(kind), {"error": {"message": f"injected {kind}", "code": int(kind)}}, extra)

@@ -174,6 +174,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure(f"{name}: {msg}", name, code, retryable, retry_after)
     if isinstance(exc, MissingTokenIds):
         return Failure(f"{name}: {msg}", name, None, False)
+    if isinstance(exc, TimeoutError):  # asyncio.wait_for's deadline (generate.timeout_s)
+        return Failure("TimeoutError: no complete answer within generate.timeout_s", "TimeoutError", None, True)
     if isinstance(exc, (UnicodeError, TypeError)):  # raised building the request: it will never be sent
         return Failure(f"the request cannot be encoded ({name}: {msg})", name, None, False)
     if isinstance(exc, (openai.APIConnectionError, MalformedResponse, ValueError, openai.APIResponseValidationError)):
@@ -273,7 +275,9 @@ class Generator:
             self.stats.change_in_flight(+1)
             t0 = time.monotonic()
             try:
-                resp = await next(self._clients).chat.completions.create(**request)
+                # generate.timeout_s is the whole request's deadline (httpx's timeout is per read: a server that
+                # sends a byte a second would never time out)
+                resp = await asyncio.wait_for(next(self._clients).chat.completions.create(**request), g.timeout_s)
                 turn = parse_completion(resp)
                 if need_ids and not has_token_ids(turn):
                     raise MissingTokenIds(MISSING_TOKEN_IDS)

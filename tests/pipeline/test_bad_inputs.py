@@ -943,3 +943,22 @@ def test_01b_failures_a_rerun_cannot_fix_are_not_retried_or_called_retryable():
     advice = failed_advice(layout, {"a": {"retryable": False}, "b": {"retryable": True}})
     assert "1 rejected as invalid or not encodable, which a rerun repeats" in advice and "1 for transient reasons" in advice
     assert failed_advice(layout, {"b": {"retryable": True}}).startswith(" (rerun to retry them")
+
+
+def test_01b_timeout_s_is_a_total_deadline_per_request(cli, tmp_path, chat_tokenizer_dir):
+    """Issue 18, case 5: a server that sends its answer one byte a second kept 01b past generate.timeout_s
+    (httpx's timeout is per read). Every attempt now ends at timeout_s."""
+    import time
+
+    prompts = [prompt(i) for i in range(2)]
+    write_prompts(tmp_path, prompts)
+    with FaultServer(Faults(drip_s=0.1)) as server:  # ~60 s per answer; each byte well inside a read timeout
+        cfg = gen_config(tmp_path, chat_tokenizer_dir, server.base_url, generate={"timeout_s": 1.5, "max_retries": 1})
+        t0 = time.monotonic()
+        res = cli("01b_generate_synthetic.py", "--config", cfg)
+        took = time.monotonic() - t0
+    error_line(res, "no prompt got an answer: all 2 of 2 failed every retry (TimeoutError x2)")
+    assert took < 30, took  # 2 attempts x 1.5 s per prompt (in parallel), plus the start
+    report, raw, failed, _ = generate_outputs_without_samples(tmp_path)
+    assert raw == [] and all(f["attempts"] == 2 and "generate.timeout_s" in f["reason"] for f in failed)
+    assert_each_id_once(prompts, raw, failed)
