@@ -174,12 +174,12 @@ def classify(exc: BaseException) -> Failure:
         return Failure(f"{name}: {msg}", name, code, retryable, retry_after)
     if isinstance(exc, MissingTokenIds):
         return Failure(f"{name}: {msg}", name, None, False)
-    if isinstance(exc, TimeoutError):  # asyncio.wait_for's deadline (generate.timeout_s)
+    if isinstance(exc, (TimeoutError, openai.APITimeoutError)):  # wait_for's deadline, or httpx's at the same time
         return Failure("TimeoutError: no complete answer within generate.timeout_s", "TimeoutError", None, True)
     if isinstance(exc, (UnicodeError, TypeError)):  # raised building the request: it will never be sent
         return Failure(f"the request cannot be encoded ({name}: {msg})", name, None, False)
     if isinstance(exc, (openai.APIConnectionError, MalformedResponse, ValueError, openai.APIResponseValidationError)):
-        # APITimeoutError is an APIConnectionError; ValueError covers bodies that are not JSON.
+        # ValueError covers bodies that are not JSON.
         return Failure(f"{name}: {msg}", name, None, True)
     # Anything else is unexpected: retry it too, and record it if it persists.
     return Failure(f"{name}: {msg}", name, None, True)

@@ -215,7 +215,7 @@ def test_faults_every_id_accounted_values_exact(run_dir, write_config, chat_toke
     assert run["retries"] == injected + cfg.generate.max_retries  # p011: max_retries retries, then failed
     assert run["requests"] == stats.chat_requests
     assert run["retry_reasons"]["MalformedResponse"] == stats.faults["non_json"] + stats.faults["empty_choices"]
-    assert run["retry_reasons"]["APITimeoutError"] == stats.faults["hang"]
+    assert run["retry_reasons"]["TimeoutError"] == stats.faults["hang"]
     assert run["max_in_flight"] <= cfg.generate.concurrency and stats.max_in_flight <= cfg.generate.concurrency
     assert report["num_done"] == 46 and report["num_failed"] == 2 and report["complete"] is False
 

@@ -48,7 +48,7 @@ def test_01b_auth_error_stops_the_run_at_once(run_dir, gen, status):
     (Faults(p_503=1.0), "503 x12"),
     (Faults(p_non_json=1.0), "MalformedResponse x12"),
     (Faults(p_empty_choices=1.0), "MalformedResponse x12"),
-    (Faults(p_hang=1.0, hang_s=5.0), "APITimeoutError x12"),
+    (Faults(p_hang=1.0, hang_s=5.0), "TimeoutError x12"),
 ], ids=["5xx", "non-json", "empty-choices", "timeouts"])
 def test_01b_every_request_failing_is_an_error(run_dir, gen, faults, cause):
     """Issue 10, case 4: every request failing exited 0 and wrote an empty train.jsonl."""

@@ -187,7 +187,7 @@ def test_01b_puts_512_requests_in_flight_on_real_vllm_and_loses_nothing(vllm_ser
     report = json.loads((data / "generate_report.json").read_text())
     run = report["this_run"]
     assert report["num_done"] == NUM_PROMPTS and report["num_failed"] == 0 and report["complete"] is True
-    assert run["failure_reasons"] == {} and "APITimeoutError" not in run["retry_reasons"], run
+    assert run["failure_reasons"] == {} and "TimeoutError" not in run["retry_reasons"], run
     samples = [*iter_jsonl(data / "train.jsonl"), *iter_jsonl(data / "eval.jsonl")]
     assert len(samples) + sum(report["tokenize"]["skipped"].values()) == NUM_PROMPTS
 
