@@ -239,9 +239,10 @@ class FakeVllm(LocalHttpServer):
     texts whose reply changes with the draft (to check that mismatches are reported).
     """
 
-    def __init__(self, with_draft: bool, diverge: tuple[str, ...] = ()):
+    def __init__(self, with_draft: bool, diverge: tuple[str, ...] = (), die_on_chat: bool = False):
         self.with_draft = with_draft
         self.diverge = diverge
+        self.die_on_chat = die_on_chat  # drop the connection on every chat request, like an engine that died
         self.lock = threading.Lock()
         self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [0, 0, 0]}
         self.requests = []
@@ -257,6 +258,12 @@ class FakeVllm(LocalHttpServer):
                 self.reply(request, 404, {"error": "not found"})
             return
         body = json.loads(request.rfile.read(int(request.headers["Content-Length"])))
+        if self.die_on_chat:
+            import socket
+
+            request.close_connection = True
+            request.connection.shutdown(socket.SHUT_RDWR)
+            return
         user = body["messages"][-1]["content"]
         text = f"answer to {user}"
         if self.with_draft and user in self.diverge:

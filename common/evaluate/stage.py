@@ -235,8 +235,14 @@ def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
 
     Call it before the first /metrics scrape: its drafts must not count.
     """
+    import openai
+
     client = eval_client(cfg, base_url)
-    _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0]["messages"], 8)
+    try:
+        _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0]["messages"], 8)
+    except openai.OpenAIError as e:  # the engine died on its first request (out of memory, a bad draft, ...)
+        raise PipelineError(f"the vLLM server at {base_url} failed its warm-up request ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:200]}); it may have died: see its log under run_dir/logs/") from None
 
 
 def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "eval") -> dict:

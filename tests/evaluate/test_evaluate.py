@@ -159,6 +159,7 @@ class RunEnv:
         self.cfg, self.run, self.final = cfg, run, final
         self.started: list[dict] = []  # servers the stage started, in order
         self.diverge: tuple[str, ...] = ()  # user texts whose reply changes with the draft
+        self.die_on_chat = False  # the servers drop every chat request (an engine that died)
 
 
 @pytest.fixture
@@ -192,7 +193,7 @@ def run_env(tmp_path, monkeypatch):
 
     @contextlib.contextmanager
     def fake_target_server(cfg_, speculative=None, log_path=None):
-        with FakeVllm(with_draft=speculative is not None, diverge=env.diverge) as server:
+        with FakeVllm(with_draft=speculative is not None, diverge=env.diverge, die_on_chat=env.die_on_chat) as server:
             env.started.append({"speculative": speculative, "server": server})
             yield server
 
@@ -401,3 +402,11 @@ def test_requests_carry_generate_extra_body_like_01b(run_env):
     assert evaluate.cached_baseline(cfg) is not None
     other = config_from_dict({**tree, "generate": {**tree["generate"], "extra_body": {"top_k": 2}, "enable_thinking": False}})
     assert evaluate.cached_baseline(other) is None
+
+
+def test_an_engine_that_dies_on_the_warm_up_request_is_one_error(run_env):
+    """Issue 18, case 19: openai.APIConnectionError traceback."""
+    run_env.die_on_chat = True
+    with pytest.raises(PipelineError, match="failed its warm-up request \\(APIConnectionError: .*see its log under run_dir/logs/"):
+        evaluate.run_stage(run_env.cfg)
+    assert not (run_env.run / "eval" / "report.json").exists()
