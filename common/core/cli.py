@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -54,6 +55,65 @@ def _stage_lock(cfg, stage: str):
     return stage_lock(cfg.run_dir, stage)
 
 
+_RELAY_SOCKETS: list = []
+_STOP_REQUESTED: list = []  # non-empty once a stop signal arrived (a library may swallow the KeyboardInterrupt)
+# After Ctrl-C, how long cleanup may take before the stage exits anyway (tests shorten it).
+STOP_GRACE_S = float(os.environ.get("EAGLE3_STOP_GRACE_S", "60"))
+
+
+def relay_signals_to_main_thread(prog: str) -> None:
+    """Ctrl-C (or SIGTERM, where a stage handles it) exits 130 at any moment, within STOP_GRACE_S.
+
+    Python runs signal handlers in the main thread, between bytecodes. When the kernel hands SIGINT to
+    another thread (tqdm's monitor, a torch or vLLM thread) while the main thread waits in C, nothing
+    interrupts the wait. Python's wakeup fd sees every signal whatever thread got it: a small relay thread
+    reads it and nudges the main thread with SIGUSR2 (a no-op handler), whose EINTR lets the waiting call
+    run the pending handler (Python's own calls and pyzmq check for signals on EINTR). Cleanup after the
+    KeyboardInterrupt can hang too (vLLM's zmq context waits for its engine while the engine starts), so
+    the relay exits the process with 130 when the stage is still alive STOP_GRACE_S later, or at a second
+    Ctrl-C; the reaper (common/core/reaper.py) then stops the engine processes."""
+    import signal
+    import socket
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    main = threading.main_thread().ident
+    receiver, sender = socket.socketpair()
+    _RELAY_SOCKETS.extend((receiver, sender))  # alive for the process: the wakeup fd must stay valid
+    sender.setblocking(False)
+    signal.set_wakeup_fd(sender.fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGUSR2, lambda signum, frame: None)
+    stops = {signal.SIGINT, signal.SIGTERM}
+
+    def force_exit(why: str) -> None:
+        print(f"{prog}: interrupted; {why}, exiting now (finished work is kept; rerun the same command to resume)",
+              file=sys.stderr, flush=True)
+        os._exit(130)
+
+    def relay() -> None:
+        stopping = False
+        while True:
+            try:
+                data = receiver.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if not any(b in stops for b in data):
+                continue
+            if stopping:
+                force_exit("a second stop signal")
+            stopping = True
+            _STOP_REQUESTED.append(True)
+            signal.pthread_kill(main, signal.SIGUSR2)
+            timer = threading.Timer(STOP_GRACE_S, force_exit, args=(f"still stopping after {STOP_GRACE_S:.0f} s",))
+            timer.daemon = True
+            timer.start()
+
+    threading.Thread(target=relay, name="signal-relay", daemon=True).start()
+
+
 def stage_main(
     prog: str,
     description: str | None,
@@ -71,6 +131,7 @@ def stage_main(
     from common.core.reaper import watch_children
 
     watch_children()  # the engine processes this stage may start die with it, even on SIGKILL
+    relay_signals_to_main_thread(prog)  # Ctrl-C exits 130 at any moment, even while vLLM's engine starts
     try:
         cfg = load_config(args.config, args.overrides)
         with _stage_lock(cfg, prog):
@@ -86,6 +147,9 @@ def stage_main(
               file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
+        print(f"{prog}: interrupted; finished work is saved, rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    if _STOP_REQUESTED:  # the interrupt was swallowed on its way (vLLM can): still a stopped run
         print(f"{prog}: interrupted; finished work is saved, rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)

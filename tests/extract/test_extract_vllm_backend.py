@@ -271,3 +271,52 @@ def test_vllm_backend_parallelism_errors(tmp_path):
         _check_parallelism(cfg, load_target_info(cfg.target), DistEnv())
     cfg.extract.backend = "hf"
     _check_parallelism(cfg, load_target_info(cfg.target), DistEnv())  # the hf backend captures id 0 everywhere
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
+    """Issue 18, case 3: Ctrl-C while 02 starts its vLLM engine did not exit in 120 s (the KeyboardInterrupt
+    reached the main thread only after vLLM's start-up wait, and vLLM's clean-up then hung on its zmq
+    context). Now it exits 130 within the stop grace (EAGLE3_STOP_GRACE_S, shortened here), the engine
+    processes go with it, and the rerun completes."""
+    from common.demo.tiny_target import ensure_tiny_target
+
+    target = ensure_tiny_target("llama")
+    rows = chat_samples(target, n_train=6, n_eval=2)
+    run = write_run(tmp_path / "run", rows)
+    config = write_yaml(tmp_path / "config.yaml", {
+        "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": AUX, "dtype": "bfloat16"},
+        "tokenize": {"max_seq_len": 512}, "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500}})
+    cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", EAGLE3_STOP_GRACE_S="10")
+    log = tmp_path / "interrupted.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            engine: list = []
+            while not any("EngineCore" in " ".join(p.cmdline()) for p in engine):  # the engine is starting
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+                time.sleep(0.05)
+                try:
+                    engine = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                              if "common.core.reaper" not in " ".join(c.cmdline())]
+                except psutil.Error:
+                    engine = []
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=60) == 130, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() - t0 < 40
+            _, orphans = psutil.wait_procs(engine, timeout=15)
+            assert not orphans, [" ".join(o.cmdline())[:80] for o in orphans]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert "interrupted" in log.read_text(errors="replace") and "Traceback" not in log.read_text(errors="replace")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    index, _ = shards_of(run)
+    assert index["complete"] and sorted(s for e in index["shards"] for s in e["sample_ids"]) == \
+        sorted(r["id"] for split in ("train", "eval") for r in rows[split])
