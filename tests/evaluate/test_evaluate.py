@@ -410,3 +410,62 @@ def test_an_engine_that_dies_on_the_warm_up_request_is_one_error(run_env):
     with pytest.raises(PipelineError, match="failed its warm-up request \\(APIConnectionError: .*see its log under run_dir/logs/"):
         evaluate.run_stage(run_env.cfg)
     assert not (run_env.run / "eval" / "report.json").exists()
+
+
+# ----------------------------------------------------------------------------- a real vLLM server, SIGKILL
+
+
+def _api_servers_of(pid: int) -> list:
+    import psutil
+
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True) if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_path):
+    """Issue 18, case 3: a SIGKILL of 05 left its api_server running (on the user's box ~70 GB per GPU, so
+    the rerun could not start). Killed while its server starts, twice: nothing of ours is left within 10 s,
+    and the rerun gets as far as starting its own server again."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from common.demo.tiny_target import ensure_tiny_target
+    from tests.helpers import REPO, write_yaml
+
+    target = ensure_tiny_target("llama")
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}], "split": "eval"} for i in range(4)]
+    (run / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (run / "train" / "final").mkdir(parents=True)
+    # a stand-in draft: both runs are killed while their server starts, long before it would load it
+    (run / "train" / "final" / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}')
+    (run / "train" / "final" / "model.safetensors").write_bytes(b"never loaded")
+    cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(run), "target": {"model": str(target)},
+                                             "evaluate": {"num_prompts": 4, "max_tokens": 8}})
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
+    for attempt in ("first run", "rerun"):
+        proc = subprocess.Popen([sys.executable, str(REPO / "05_evaluate.py"), "--config", str(cfg)], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (servers := _api_servers_of(proc.pid)):
+                assert proc.poll() is None and time.monotonic() < deadline, f"{attempt}: no vLLM server started"
+                time.sleep(0.05)
+            time.sleep(1.0)
+            ours = [p for p in psutil.Process(proc.pid).children(recursive=True) if "common.core.reaper" not in " ".join(p.cmdline())]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            _, left = psutil.wait_procs(ours, timeout=10)
+            assert not left, (attempt, [" ".join(p.cmdline())[:80] for p in left])
+            assert all(not s.is_running() for s in servers)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
