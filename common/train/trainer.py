@@ -57,7 +57,7 @@ from common.model.draft_vocab import load_vocab_map
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.train.export import export_final
 from common.core.io import JsonlAppender, atomic_write_json, read_json
-from common.target.loading import load_target_info, load_target_tensors, target_fingerprint
+from common.target.loading import check_safetensors_readable, load_target_info, load_target_tensors, target_fingerprint
 from common.train.optim import build_optimizer, lr_at, set_lr
 from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
@@ -134,6 +134,8 @@ class Trainer:
                 f"(or fix target.aux_layer_ids)"
             )
         recorded = self.index.raw.get("target_weights")  # rank 0 hashes (cached by size and mtime), the others get it
+        if recorded:
+            check_safetensors_readable(cfg.target.model)  # a damaged file is named as such, not as "other weights"
         current = broadcast_object(target_fingerprint(layout, cfg.target.model) if env.is_main and recorded else None, env)
         if recorded and recorded != current:
             raise DataError(
