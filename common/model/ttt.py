@@ -74,11 +74,13 @@ class TTTOutput:
     step_hits: Optional[torch.Tensor] = None  # [steps, T] bool: counted and correct at (step, t); with per_position
 
 
-def _chunk_step_loss(model, hidden, teacher_logp, keep):
-    """Soft CE summed over the chunk's kept rows, and the draft argmax (draft ids)."""
+def _chunk_step_loss(model, hidden, teacher_logp, teacher_rows, keep):
+    """Soft CE summed over the chunk's kept rows, and the draft argmax (draft ids). The teacher rows are
+    gathered here, inside the checkpoint: passed in gathered, each [rows, V_d] float32 copy would be kept
+    alive as a checkpoint input until backward (~13 GB per optimizer step at the Kimi-K2.5 config)."""
     logits = model.compute_logits(hidden).float()
     logq = torch.log_softmax(logits, dim=-1)
-    ce = -(teacher_logp.exp() * logq).sum(dim=-1)
+    ce = -(teacher_logp[teacher_rows].exp() * logq).sum(dim=-1)
     return (ce * keep).sum(), logits.argmax(dim=-1)
 
 
@@ -123,7 +125,7 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
             r = rows[a:a + chunk_tokens]
             tr = teacher_rows[a:a + chunk_tokens]
             keep = in_draft_vocab[tr].float()
-            args = (m, hidden[r], teacher_logp[tr], keep)
+            args = (m, hidden[r], teacher_logp, tr, keep)
             part, pred = checkpoint(_chunk_step_loss, *args, use_reentrant=False) if use_ckpt else _chunk_step_loss(*args)
             loss_sum = part if loss_sum is None else loss_sum + part
             right = m.draft_to_target_ids(pred) == teacher_argmax[tr]

@@ -278,3 +278,29 @@ def test_works_through_a_ddp_wrapper(tmp_path):
         torch.testing.assert_close(model.fc.weight.grad, plain.fc.weight.grad, rtol=1e-5, atol=1e-7)
     finally:
         dist.destroy_process_group()
+
+
+def test_checkpointed_steps_keep_no_teacher_copy_until_backward():
+    """Issue 17, item 4: each TTT step handed `teacher_logp[rows]` (a fresh [rows, V_d] float32 copy) into
+    checkpoint(), which keeps its inputs until backward. Counted with autograd's saved-tensor hooks: the bytes
+    saved for backward in [*, V_d] float32 tensors other than the teacher itself stay below one such copy."""
+    seq = [40, 33, 27]
+    aux, ids, final, loss_mask, pos, lm_head = make_batch(seq, seed=5)
+    model = make_model(seed=2)
+    teacher = teacher_from_final_hidden(final, lm_head, model.t2d, chunk_tokens=1024, d2t=model.d2t)
+    teacher_ptr = teacher[0].untyped_storage().data_ptr()
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ttt_loss(model, aux, ids, final, loss_mask, pos, seq, lm_head, ttt_steps=3, decay=0.8, teacher=teacher,
+                       chunk_tokens=1024, checkpoint_chunks=True)
+    copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+              if t.dtype == torch.float32 and t.dim() == 2 and t.shape[-1] == V_D and t.untyped_storage().data_ptr() != teacher_ptr}
+    one_copy = out.step_counts[0] * V_D * 4
+    assert sum(copies.values()) < one_copy, (sum(copies.values()), one_copy)
+    out.loss.backward()  # and the recomputation still works
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
