@@ -330,3 +330,12 @@ def hold_lock(run_dir: Path, stage: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a process group or a server started next)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

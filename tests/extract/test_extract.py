@@ -25,7 +25,7 @@ from common.core.errors import ConfigError, DataError
 from common.extract.hf_backend import make_batches
 from common.extract.stage import check_disk_space, run_extraction
 from common.hidden.shards import bytes_per_token
-from tests.helpers import REPO, VOCAB, build_target, write_yaml
+from tests.helpers import REPO, VOCAB, build_target, free_port, write_yaml
 
 PYTHON = sys.executable
 
@@ -407,7 +407,7 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, llama_bf16):
     write_data(multi, n_train=20, n_eval=4)
     cfg_path = write_yaml(tmp_path / "multi.yaml", make_cfg(multi, llama_bf16))
     env = stage_env()
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "02_extract_hidden.py"), "--config", str(cfg_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -415,14 +415,6 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, llama_bf16):
     assert index["complete"] and index["shards"] == ref_index["shards"]
     assert not list((multi / "hidden").glob("index.rank-*.json"))  # fragments merged and removed
     assert shard_bytes(multi) == reference
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_changed_target_weights_stop_02_and_04(tmp_path):
