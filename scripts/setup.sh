@@ -39,6 +39,11 @@ if [ "$flavour" = cpu ]; then
   "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >&2 || true
 fi
 "$py" -c "import torch, transformers, safetensors, openai, yaml, datasets" >&2
+if [ "$flavour" != none ]; then
+  # the one vLLM release the pipeline is tested with (common/serving/vllm_version.py); one line if another is there
+  (cd "$root" && "$py" -c "from common.serving.vllm_version import check_vllm_version as c; print('setup: vllm', c())") >&2 \
+    || { echo "setup: the installed vLLM is not the tested release (see the line above)" >&2; exit 2; }
+fi
 echo "$stamp_value" > "$stamp"
 echo "setup: done" >&2
 echo "$py"

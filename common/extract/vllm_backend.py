@@ -34,6 +34,7 @@ from typing import Callable
 
 from common.core.errors import ConfigError, PipelineError
 from common.serving.vllm_server import cpu_attention_backend
+from common.serving.vllm_version import check_vllm_version
 
 log = logging.getLogger("extract")
 
@@ -50,10 +51,12 @@ def resolve_backend(cfg) -> str:
     """extract.backend with auto resolved: vllm where it is installed, else hf."""
     backend = cfg.extract.backend
     if backend == "auto":
-        return "vllm" if vllm_installed() else "hf"
-    if backend == "vllm" and not vllm_installed():
+        backend = "vllm" if vllm_installed() else "hf"
+    elif backend == "vllm" and not vllm_installed():
         raise ConfigError("extract.backend is 'vllm' but vLLM is not installed in this environment; "
                           "install it (scripts/setup.sh) or use --set extract.backend=hf")
+    if backend == "vllm":
+        check_vllm_version()  # its internals (the connector, the aux capture) change between releases
     return backend
 
 

@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.core.errors import PipelineError
 from common.core.run_folder import Layout
 from common.serving.chat import server_root
+from common.serving.vllm_version import check_vllm_version
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -203,6 +204,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         if self.process is not None:
             return self
+        check_vllm_version()
         if self.port_asked and not port_is_free(self.host, self.port):
             raise PipelineError(f"port {self.port} on {self.host} is already in use by another process, so a vLLM server "
                                 f"started there could not listen (and we would talk to the other process); stop what listens "
