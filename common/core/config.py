@@ -165,6 +165,10 @@ class DraftConfig:
     rms_norm_eps: Optional[Annotated[float, Range(gt=0)]] = None
     norm_before_residual: bool = False
     max_position_embeddings: Optional[Annotated[int, Range(ge=1, le=2**26)]] = None
+    # RoPE scaling of the draft, exported in its config.json so vLLM builds the same rotary: null = none (plain
+    # RoPE at rope_theta); "target" = the target's own (e.g. Kimi-K2.5's yarn, factor 64 over 4096 positions);
+    # or a mapping in transformers' form ({rope_type: yarn, factor: 64, original_max_position_embeddings: 4096}).
+    rope_scaling: Optional[Literal["target"] | dict] = None
 
 
 @dataclass

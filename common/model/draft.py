@@ -213,6 +213,47 @@ def _text_attr(tc, name: str, default=None):
     return default if value is None else value
 
 
+# What each rope type needs (transformers' and vLLM's names); the other keys they read are optional.
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "longrope": ("short_factor", "long_factor")}
+_ROPE_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "attention_factor", "truncate", "low_freq_factor", "high_freq_factor", "short_factor",
+              "long_factor"}
+
+
+def _target_rope_scaling(tc) -> dict | None:
+    scaling = getattr(tc, "rope_scaling", None)
+    params = getattr(tc, "rope_parameters", None)  # transformers >= 5 keeps the scaling here, with rope_theta
+    if not scaling and isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return dict(scaling) if scaling else None
+
+
+def draft_rope_scaling(asked, tc) -> dict | None:
+    """draft.rope_scaling resolved: None, the target's scaling ("target"), or the mapping given; in the form
+    vLLM's get_rope and transformers read ({"rope_type": ..., ...}), checked so a bad one is one line here and
+    not a KeyError when vLLM loads the draft."""
+    if asked is None:
+        return None
+    source = "the target's rope_scaling" if asked == "target" else "draft.rope_scaling"
+    scaling = _target_rope_scaling(tc) if asked == "target" else dict(asked)
+    if not scaling:
+        return None  # the target uses plain RoPE: so does the draft
+    kind = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    kind = {"deepseek_yarn": "yarn"}.get(kind, kind)  # DeepSeek-V3/Kimi name their yarn so inside vLLM only
+    if kind == "default":
+        return None
+    if kind not in _ROPE_REQUIRED:
+        raise ConfigError(f"{source} has rope_type {kind!r}, which the draft cannot reproduce; use one of "
+                          f"{sorted(_ROPE_REQUIRED)}, or set draft.rope_scaling: null")
+    missing = [k for k in _ROPE_REQUIRED[kind] if k not in scaling]
+    if missing:
+        raise ConfigError(f"{source} ({kind}) lacks {', '.join(missing)}; give them in draft.rope_scaling, e.g. "
+                          f"{{rope_type: yarn, factor: 64, original_max_position_embeddings: 4096}}")
+    return {"rope_type": kind, **{k: v for k, v in scaling.items() if k in _ROPE_KEYS - {"rope_type"}}}
+
+
 def build_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list[int]):
     """DraftModelConfig from the run config's draft section; nulls take the target's sizes."""
     d, tc = cfg.draft, info.text_config
@@ -246,6 +287,7 @@ def build_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list[int
         num_hidden_layers=d.num_hidden_layers,
         rms_norm_eps=float(d.rms_norm_eps or _text_attr(tc, "rms_norm_eps", 1e-6)),
         rope_theta=float(d.rope_theta or _text_attr(tc, "rope_theta", 10000.0)),
+        rope_scaling=draft_rope_scaling(d.rope_scaling, tc),
         max_position_embeddings=int(max_pos),
         vocab_size=info.vocab_size,
         draft_vocab_size=draft_vocab_size,

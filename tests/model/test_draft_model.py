@@ -406,3 +406,58 @@ def test_bad_inputs_raise_clear_errors():
         model.forward_ttt(aux, ids, pos, [4, 3], 2)
     with pytest.raises(DataError, match="width"):
         model.forward_ttt(aux[:, :10], ids, pos, [4, 4], 2)
+
+
+# Kimi-K2.5's text_config.rope_scaling (DeepSeek-V3 style), which draft.rope_scaling: target copies.
+KIMI_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("scaling", [KIMI_YARN, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                                     {"rope_type": "linear", "factor": 2.0}])
+def test_scaled_rope_matches_what_vllm_builds_from_the_exported_config(scaling):
+    """Issue 17: the draft trains with the rotary vLLM builds from its exported config.json (transformers reads
+    rope_scaling into rope_parameters, vLLM's get_rope builds the rotary from those), at positions past 8192."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from common.model.draft import draft_rope_scaling
+
+    resolved = draft_rope_scaling("target", SimpleNamespace(rope_scaling=scaling))
+    max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"]) if "original_max_position_embeddings" in scaling else 4096
+    cfg = make_config(rope_theta=50000.0, rope_scaling=resolved, max_position_embeddings=max_pos)
+    exported = LlamaConfig(**cfg.to_vllm_config())
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(exported.head_dim, exported.max_position_embeddings, is_neox_style=True,
+                        rope_parameters=exported.rope_parameters, dtype=torch.float32)
+    pos = torch.arange(0, min(max_pos, rope.cos_sin_cache.shape[0]), 97)
+    assert pos[-1] > 8192 or max_pos <= 8192
+    cos, sin = Eagle3DraftModel(cfg).rotary(pos)
+    vcos, vsin = rope.cos_sin_cache[pos].float().chunk(2, dim=-1)  # vLLM keeps one half; neox style repeats it
+    half = cfg.head_dim // 2
+    torch.testing.assert_close(cos[:, :half], vcos, rtol=0, atol=1e-4)
+    torch.testing.assert_close(sin[:, :half], vsin, rtol=0, atol=1e-4)
+    if scaling is KIMI_YARN:  # mscale == mscale_all_dim: no attention scaling (vLLM and transformers agree)
+        assert float(cos[0, 0]) == pytest.approx(1.0)
+
+
+def test_rope_scaling_from_the_target_and_its_errors():
+    from types import SimpleNamespace
+
+    from common.model.draft import draft_rope_scaling
+
+    assert draft_rope_scaling(None, SimpleNamespace(rope_scaling=KIMI_YARN)) is None
+    assert draft_rope_scaling("target", SimpleNamespace(rope_scaling=None)) is None  # plain RoPE target
+    got = draft_rope_scaling("target", SimpleNamespace(rope_scaling={**KIMI_YARN, "type": "deepseek_yarn"}))
+    assert got == {"rope_type": "yarn", **{k: v for k, v in KIMI_YARN.items() if k != "type"}}
+    # transformers >= 5 keeps it in rope_parameters, with rope_theta beside it
+    params = SimpleNamespace(rope_scaling=None, rope_parameters={"rope_theta": 50000.0, "rope_type": "yarn", "factor": 64.0,
+                                                                 "original_max_position_embeddings": 4096})
+    assert draft_rope_scaling("target", params) == {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}
+    with pytest.raises(ConfigError, match=r"draft.rope_scaling \(yarn\) lacks original_max_position_embeddings"):
+        draft_rope_scaling({"rope_type": "yarn", "factor": 8}, None)
+    with pytest.raises(ConfigError, match=r"rope_type 'mrope'.*draft.rope_scaling: null"):
+        draft_rope_scaling("target", SimpleNamespace(rope_scaling={"rope_type": "mrope", "mrope_section": [1]}))
