@@ -292,6 +292,16 @@ def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
     return digest
 
 
+def remember_fingerprint(layout: Layout, path: str | os.PathLike, digest: str) -> None:
+    """Record the sha256 of a file its writer hashed while writing it (02's shards), so a later
+    content_fingerprint (04's shard check) does not read it again: hours of reading at Kimi scale."""
+    path = Path(path)
+    st = path.stat()
+    cache = _read_hash_cache(layout)
+    cache[str(path.resolve())] = {"stamp": [st.st_size, st.st_mtime_ns], "sha256": digest}
+    _write_hash_cache(layout, {k: v for k, v in cache.items() if os.path.exists(k)})
+
+
 def _write_hash_cache(layout: Layout, cache: dict) -> None:
     """Replace the cache file. Several processes may write it at once (ranks, stages running side
     by side), so each uses its own temp file (common.core.io.atomic_path would delete the others');

@@ -54,6 +54,7 @@ from common.core.io import (
 )
 from common.serving.chat import (
     MalformedResponse,
+    api_key,
     chat_request,
     has_token_ids,
     make_client,
@@ -61,6 +62,8 @@ from common.serving.chat import (
     parse_completion,
     server_root,
 )
+from common.serving.sizing import concurrency_line, kv_cache_tokens
+from common.serving.vllm_server import scrape_metrics
 
 log = logging.getLogger("generate")
 
@@ -877,6 +880,30 @@ async def check_server_token_ids(client, g: GenerateConfig, model: str) -> None:
         raise PipelineError(f"the server at {g.base_url}: {MISSING_TOKEN_IDS}")
 
 
+def report_server_capacity(g: GenerateConfig, todo: list[dict], tokenizer, sample: int = 32) -> Optional[int]:
+    """Print how many requests the server's KV cache holds at once (vLLM's /metrics), beside
+    generate.concurrency, and warn when the concurrency is far above it; returns the KV tokens (None when
+    the server does not say: best effort, generation does not depend on it)."""
+    try:
+        kv_tokens = kv_cache_tokens(scrape_metrics(g.base_url, api_key=api_key(g)))
+    except PipelineError as e:
+        log.info("not reporting the server's KV capacity: %s", e)
+        return None
+    if not kv_tokens:
+        return None
+    # a prompt's length, from a few prompts' text (a template adds a few tokens each turn)
+    lengths = [len(tokenizer(" ".join(str(m.get("content") or "") for m in p["messages"]))["input_ids"]) + 8
+               for p in todo[:sample]]
+    prompt_tokens = sum(lengths) // max(1, len(lengths))
+    line, too_many = concurrency_line(kv_tokens, prompt_tokens + g.max_tokens, g.concurrency)
+    print(f"01b_generate_synthetic: {line}", flush=True)
+    if too_many:
+        log.warning("generate.concurrency %d is over 4x what the server's KV cache holds at full length; the rest wait in "
+                    "vLLM's queue and that wait counts against generate.timeout_s (%gs): lower the concurrency or raise "
+                    "timeout_s (README: sizing the server)", g.concurrency, g.timeout_s)
+    return kv_tokens
+
+
 async def _generate(cfg: Config, layout: Layout, todo: list[dict], tokenizer):
     client = make_client(cfg.generate)
     try:
@@ -886,6 +913,7 @@ async def _generate(cfg: Config, layout: Layout, todo: list[dict], tokenizer):
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
         if cfg.tokenize.token_ids_from == "server":
             await check_server_token_ids(client, cfg.generate, model)
+        await asyncio.to_thread(report_server_capacity, cfg.generate, todo, tokenizer)
         pool = make_clients(cfg.generate)
         try:
             with JsonlAppender(layout.raw_responses, cfg.generate.fsync_every) as raw, JsonlAppender(layout.failed, 1) as failed:

@@ -80,7 +80,7 @@ from common.target.loading import target_fingerprint
 from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
-from common.core.run_folder import Layout, StageManifest
+from common.core.run_folder import Layout, StageManifest, remember_fingerprint
 from common.hidden.stream import StreamWait
 from common.hidden.shards import (FORMAT_VERSION, build_index, bytes_per_token, check_format_version, describe_bytes_per_token, index_header,
                                   read_consumed, read_entries, rounds_on_disk, shard_entry, verify_entry, write_fragment, write_index, write_shard)
@@ -694,6 +694,7 @@ def _extract_shards(cfg, layout: Layout, plan: dict, header: dict, mine: list[st
     def finish(name: str, samples: list[dict], batches: list[dict]) -> None:
         # Runs in the writer thread: write the shard, then record it (index only after the rename).
         entry = shard_entry(shards[name], write_shard(layout.hidden / name, samples, batches, header["storage"]))
+        remember_fingerprint(layout, layout.hidden / name, entry["sha256"])  # 04 checks it without reading it again
         my_entries[name] = entry
         entries[name] = entry
         if env.distributed:

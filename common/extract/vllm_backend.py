@@ -130,6 +130,7 @@ class VllmExtractor:
                                     "kv_role": "kv_producer",
                                     "kv_connector_extra_config": {"shared_storage_path": str(requests_dir)}},
                 enable_prefix_caching=False,
+                language_model_only=True,  # text only: a multimodal target (Kimi-K2.5) loads no vision tower
                 max_model_len=self.max_model_len,
                 # without chunked prefill (the CPU default) a whole prompt must fit one step
                 max_num_batched_tokens=max(cfg.extract.batch_max_tokens, self.max_model_len),

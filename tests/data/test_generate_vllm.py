@@ -9,6 +9,7 @@ Tests marked `vllm` use it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,15 @@ def test_prepare_then_generate_on_real_vllm(vllm_server, tiny_target_dir, run_di
     })
     run_stage_script("01_prepare_data.py", cfg_path)
     gen = run_stage_script("01b_generate_synthetic.py", cfg_path)
+    # 01b prints the KV capacity vLLM reports; it matches the bytes per token our planner computes for this
+    # target (common/serving/sizing.py) against the 1 GiB CPU KV space the server was given
+    from transformers import AutoConfig
+
+    from common.serving.sizing import GIB, kv_bytes_per_token
+
+    kv_tokens = int(re.search(r"KV cache holds ([\d,]+) tokens", gen.stdout).group(1).replace(",", ""))
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(tiny_target_dir))
+    assert GIB - 1024 * per_token < kv_tokens * per_token <= GIB, (kv_tokens, per_token)
     data = run_dir / "data"
     prompts = list(iter_jsonl(data / "prompts.jsonl"))
     raw = list(iter_jsonl(data / "raw_responses.jsonl"))

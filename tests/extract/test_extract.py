@@ -311,6 +311,35 @@ def test_missing_truncated_and_corrupted_shards_are_recomputed(tmp_path, llama_b
     assert shard_bytes(run_dir) == reference
 
 
+def test_04_checks_the_shards_02_wrote_without_reading_them_again(tmp_path, llama_bf16, monkeypatch):
+    """Issue 17: 02 hashes each shard while writing it; it records that hash where 04's shard check looks
+    (stages/hashes.json, by size and mtime), so 04's first start does not read every shard again (hours at
+    Kimi scale). A shard rewritten afterwards has a new mtime and is read and caught."""
+    import common.core.run_folder as run_folder
+    from common.core.distributed import DistEnv
+    from common.core.run_folder import Layout
+    from common.hidden.shards import HiddenIndex, verify_shard_files
+
+    run_dir = tmp_path / "run"
+    write_data(run_dir)
+    cfg = cfg_of(make_cfg(run_dir, llama_bf16))
+    run_extraction(cfg)
+    layout = Layout.of(cfg)
+    index = HiddenIndex.load(layout.hidden_index)
+    assert len(index.shards) >= 4
+    read = []
+    real_sha256 = run_folder.file_sha256
+    monkeypatch.setattr(run_folder, "file_sha256", lambda path, **kw: read.append(Path(path).name) or real_sha256(path, **kw))
+    verify_shard_files(index, layout, DistEnv(), "sha256")
+    assert read == []  # every shard's hash came from 02
+    damaged = bytearray(index.shards[1].path.read_bytes())
+    damaged[-10] ^= 0xFF
+    index.shards[1].path.write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match="does not match the sha256 02 recorded"):
+        verify_shard_files(index, layout, DistEnv(), "sha256")
+    assert read == [index.shards[1].file]
+
+
 def test_inputs_changed_needs_overwrite_and_overwrite_restarts(tmp_path, llama_bf16, capsys):
     run_dir = tmp_path / "run"
     write_data(run_dir)

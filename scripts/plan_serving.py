@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""The KV cache a tensor-parallel vLLM server of the target keeps per GPU, and how many requests it holds,
+on paper (common/serving/sizing.py). README "Sizing the server" is this script's output.
+
+  python scripts/plan_serving.py --target /models/Kimi-K2.5 --gpu rtx-pro-6000 --max-model-len 32768
+  python scripts/plan_serving.py --target configs/targets/kimi-k2.5.json --gpu h200 --kv-cache-dtype fp8
+
+--target: the model directory (config.json + *.safetensors, summed for the weights) or a JSON of its text
+config's sizes with "weights_gib" (configs/targets/kimi-k2.5.json). Once the server runs, 01b prints the
+figure vLLM itself measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.core.errors import ConfigError, PipelineError, printable  # noqa: E402
+from common.serving.sizing import GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, plan_serving  # noqa: E402
+
+
+def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
+    """(text config as a dict, weights in GiB on all GPUs together)."""
+    config_file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the target's config {config_file}: {e}; pass a model directory or a JSON like "
+                          f"configs/targets/kimi-k2.5.json") from None
+    text = config.get("text_config") or config  # multimodal wrappers (Kimi-K2.5) keep the language model there
+    if weights_gib is None:
+        weights_gib = config.get("weights_gib")
+    if weights_gib is None and path.is_dir():
+        weights_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / GIB or None
+    if weights_gib is None:
+        raise ConfigError(f"{path}: no *.safetensors to size the weights from; pass --weights-gib")
+    return text, float(weights_gib)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="a card's memory (or --gpu-memory-gib)")
+    ap.add_argument("--gpu-memory-gib", type=float)
+    ap.add_argument("--tp", type=int, default=8, help="tensor parallel size (default 8)")
+    ap.add_argument("--utilization", type=float, default=0.9, help="--gpu-memory-utilization (default 0.9)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_DTYPE_BYTES))
+    ap.add_argument("--max-model-len", type=int, required=True)
+    ap.add_argument("--tokens-per-request", type=int, default=4096, help="a typical prompt + answer (default 4096)")
+    ap.add_argument("--activation-gib", type=float, default=5.0,
+                    help="activations, CUDA graphs and buffers per GPU (default 5; vLLM measures it at start)")
+    ap.add_argument("--weights-gib", type=float, help="the weights on all GPUs together (default: from --target)")
+    args = ap.parse_args(argv)
+    memory = args.gpu_memory_gib or (GPU_MEMORY_GIB[args.gpu] if args.gpu else None)
+    if memory is None:
+        raise ConfigError("give --gpu or --gpu-memory-gib")
+    text, weights = read_target(args.target, args.weights_gib)
+    plan = plan_serving(text, gpu_memory_gib=memory, weights_gib_total=weights, tensor_parallel_size=args.tp,
+                        utilization=args.utilization, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                        tokens_per_request=args.tokens_per_request, activation_gib=args.activation_gib)
+    print(f"{args.target.name}: TP {args.tp} on {args.gpu or f'{memory:g} GiB cards'}, KV cache {args.kv_cache_dtype}")
+    for line in plan.lines():
+        print("  " + line)
+    return 0 if plan.fits_one_full_request else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except PipelineError as e:
+        print(f"error: {printable(str(e))}", file=sys.stderr)
+        sys.exit(2)
