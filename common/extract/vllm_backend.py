@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.core.errors import ConfigError, PipelineError
-from common.serving.vllm_server import cpu_attention_backend
+from common.serving.vllm_server import cpu_attention_backend, cpu_thread_binding
 from common.serving.vllm_version import check_vllm_version
 
 log = logging.getLogger("extract")
@@ -109,6 +109,9 @@ class VllmExtractor:
                               VLLM_DP_MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29500")) + 1))
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
+            binding = cpu_thread_binding(cfg.extract.tensor_parallel_size)
+            if binding:
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
         # The engine core must run in its own process: it writes a request's file one step after the
         # request finished, when our client loop may no longer be stepping it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"

@@ -83,6 +83,22 @@ def cpu_attention_backend(model: str | os.PathLike, dtype: str) -> Optional[str]
     return "CPU_MLA" if isinstance(text, dict) and text.get("kv_lora_rank") else None
 
 
+def cpu_thread_binding(tensor_parallel_size: int) -> Optional[str]:
+    """VLLM_CPU_OMP_THREADS_BIND for vLLM-CPU with tensor parallel > 1, or None for vLLM's own choice.
+
+    vLLM-CPU binds rank N to NUMA node N by default and refuses to start TP 2 on a machine with one
+    node ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); split the cores this
+    process may use into one contiguous group per rank instead ("0|1" on 2 cores)."""
+    if tensor_parallel_size <= 1 or cuda_available():
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        raise PipelineError(f"tensor parallel {tensor_parallel_size} on vLLM-CPU needs a core per rank, and this process may use "
+                            f"{len(cores)}; lower the tensor parallel size")
+    per_rank = len(cores) // tensor_parallel_size
+    return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tensor_parallel_size))
+
+
 def _http_get(url: str, timeout: float = 5.0, api_key: Optional[str] = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
@@ -195,6 +211,9 @@ class VllmServer:
         env = dict(os.environ)
         if not self.on_gpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default is far larger
+            binding = cpu_thread_binding(self.tensor_parallel_size)
+            if binding:
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         env.update(self.env or {})

@@ -152,6 +152,25 @@ def test_vllm_backend_shards_equal_hf_backend_shards(tmp_path, family):
     assert sorted(p.name for p in (vllm_run / "hidden").iterdir() if not p.name.startswith("shard-")) == ["index.json", "plan.json"]
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_tensor_parallel_2_shards_equal_tensor_parallel_1(tmp_path):
+    """Issue 17: 02's vllm backend with tensor_parallel_size 2 (two vLLM-CPU workers): the connector writes each
+    request's states from TP rank 0 only, and the shards hold the TP 1 run's samples in the same layout, their
+    states within the same bound as vLLM vs transformers (the all-reduce adds in another order in bf16)."""
+    from common.demo.tiny_target import ensure_tiny_target
+
+    target = ensure_tiny_target("llama")
+    rows = chat_samples(target)
+    tp1, tp2 = write_run(tmp_path / "tp1", rows), write_run(tmp_path / "tp2", rows)
+    assert run_extraction(extract_cfg(tp1, target, "vllm"))["complete"]
+    summary = run_extraction(extract_cfg(tp2, target, "vllm", tensor_parallel_size=2))
+    assert summary["complete"] and summary["shards"] >= 3
+    worst = compare(tp2, tp1)
+    print("TP 2 vs TP 1, max relative error:", worst)
+    assert sorted(p.name for p in (tp2 / "hidden").iterdir() if not p.name.startswith("shard-")) == ["index.json", "plan.json"]
+
+
 def test_backend_auto_and_errors(tmp_path):
     from common.core.errors import ConfigError
     from common.extract.vllm_backend import resolve_backend, vllm_installed

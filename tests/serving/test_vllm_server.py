@@ -146,3 +146,17 @@ def test_readiness_needs_our_process_listening_and_our_model(tmp_path):
         server = VllmServer("/m", python=python, log_path=tmp_path / "server.log", startup_timeout_s=2, stop_grace_s=1.0)
         server.port = other.port
         assert not server.is_ready()  # it answers, but serves another model
+
+
+def test_cpu_thread_binding_splits_the_allowed_cores_per_rank(monkeypatch):
+    """vLLM-CPU binds rank N to NUMA node N and refuses TP 2 on one node; 02 and the server split the cores."""
+    import common.serving.vllm_server as vs
+    from common.core.errors import PipelineError
+
+    monkeypatch.setattr(vs, "cuda_available", lambda: False)
+    monkeypatch.setattr(vs.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 9})
+    assert vs.cpu_thread_binding(1) is None
+    assert vs.cpu_thread_binding(2) == "4,5|6,7"
+    assert vs.cpu_thread_binding(5) == "4|5|6|7|9"
+    with pytest.raises(PipelineError, match="tensor parallel 6 on vLLM-CPU needs a core per rank"):
+        vs.cpu_thread_binding(6)
