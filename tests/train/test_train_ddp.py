@@ -75,3 +75,54 @@ def test_ddp_and_fsdp_match_grad_accum(fixture_cfg, tmp_path):
     # rank 0 exported the (gathered) FSDP draft
     config = json.loads((tmp_path / "fsdp" / "run" / "train" / "final" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_sigkill_then_resume_is_exact(fixture_cfg, tmp_path, parallel):
+    """Issue 17: torchrun with 2 processes, SIGKILLed (agent and both ranks, as a crash or an OOM-killed node does)
+    after a checkpoint, then started again: the same weights, bit for bit, and the same logged curve as an
+    uninterrupted 2-process run."""
+    import os
+    import signal
+
+    import psutil
+    from safetensors.torch import load_file
+
+    from tests.train.test_train import _wait_for_checkpoint
+
+    steps = 24
+    kw = dict(max_steps=steps, batch_max_tokens=160, log_every=1, eval_every=0, checkpoint_every=3, keep_checkpoints=2,
+              grad_accum=1, parallel=parallel)
+    ref = clone_run(fixture_cfg, tmp_path / "ref", **kw)
+    cut = clone_run(fixture_cfg, tmp_path / "cut", **kw)
+    res = _torchrun(ref, 2)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    cut_run = tmp_path / "cut" / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *train_cmd(cut)[1:]]
+    proc = subprocess.Popen(cmd, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 3)
+        # torchrun starts each rank in a session of its own: kill the agent and every rank by pid, at once
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        for pid in [proc.pid] + [r.pid for r in ranks]:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert len(ranks) >= 2 and not alive  # the two ranks (and whatever they started)
+    assert not (cut_run / "train" / "final").exists()
+    resumed = _torchrun(cut, 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+
+    for sub in ("train/final/model.safetensors", f"train/checkpoints/step-{steps}/model.safetensors"):
+        a, b = load_file(str(tmp_path / "ref" / "run" / sub)), load_file(str(cut_run / sub))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{parallel} {sub}:{k} differs after resume"
+    ref_rows, cut_rows = read_metrics(tmp_path / "ref" / "run"), read_metrics(cut_run)
+    assert [(r["type"], r["step"]) for r in cut_rows] == [(r["type"], r["step"]) for r in ref_rows]
+    for key in ("loss", "step_losses", "step_acc", "grad_norm", "lr", "tokens"):
+        assert [r.get(key) for r in cut_rows] == [r.get(key) for r in ref_rows], key
