@@ -180,6 +180,12 @@ def load_target_model(target, device: str, local_rank: int = 0, world_size: int 
     try:
         model = AutoModelForCausalLM.from_pretrained(target.model, **kwargs)
     except (OSError, ValueError) as e:
+        if not target.trust_remote_code and ("custom code" in str(e) or "trust_remote_code" in str(e)):
+            # Kimi-K2.5's layout: transformers knows its config but loads the model only from its own code.
+            raise ConfigError(
+                f"target.model '{target.model}' needs its own modeling code (auto_map in its config.json) to load in "
+                f"transformers; set target.trust_remote_code: true if you trust it"
+            ) from None
         raise ConfigError(f"cannot load target.model '{target.model}': {str(e).splitlines()[0]}") from None
     except Exception as e:  # safetensors' own error types on a truncated/corrupt shard
         check_safetensors_readable(target.model)  # raises naming the bad file

@@ -100,6 +100,13 @@ def load_target_info(target) -> TargetInfo:
     except OSError as e:
         raise ConfigError(f"cannot read the config of target.model '{path}': {e}") from None
     text = text_config_of(hf_config)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not getattr(text, k, None)]
+    if missing:
+        raise ConfigError(
+            f"target.model '{path}': its config ({type(hf_config).__name__}) has no {', '.join(missing)} at the top level "
+            f"nor in a text_config / language_config / llm_config; point target.model at a causal language model, or at a "
+            f"multimodal wrapper that keeps its language model's config in text_config (like Kimi-K2.5)"
+        )
     num_layers = int(text.num_hidden_layers)
     return TargetInfo(
         model_path=path,

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from common.core.config import load_config
 from common.serving.sizing import concurrency_line, kv_bytes_per_token, kv_cache_tokens, plan_serving

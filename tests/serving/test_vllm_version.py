@@ -79,5 +79,5 @@ def test_02_with_the_vllm_backend_stops_with_one_line(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error:") and f"0.31.0 is installed" in lines[-1] and VLLM_VERSION in lines[-1], lines
+    assert lines[-1].startswith("error:") and "0.31.0 is installed" in lines[-1] and VLLM_VERSION in lines[-1], lines
     assert "Traceback" not in res.stderr and not (run / "hidden" / "index.json").exists()
