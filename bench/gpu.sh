@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Stage-04 training throughput on a GPU machine (tokens/s, MFU, peak memory) for a Llama-3.1-8B-sized
-# and a Kimi-K2.5-sized EAGLE-3 draft: bench/gpu_train_bench.py with synthetic hidden states.
-# Needs only this repository and a Python with CUDA torch (installs nothing, no network).
-# Takes a few minutes on an H100/H200. Results: $OUT/gpu_train_bench.json (or ./bench_out/), plus the
-# log and nvidia-smi output next to it.
+# One prepared GPU check, under 10 minutes on one GPU:
+# 1. stage-04 training throughput (tokens/s, MFU, peak memory) for a Llama-3.1-8B-sized and a Kimi-K2.5-sized
+#    EAGLE-3 draft (configs/kimi-k2.5.yaml's sizes): bench/gpu_train_bench.py with synthetic hidden states;
+# 2. stage 02 on a small MLA + MoE target (DeepSeek-V3 / Kimi-K2.5's architecture) through vLLM and through
+#    transformers: tokens/s and how far apart their states are (bench/gpu_extract_bench.py; needs vLLM
+#    0.32.0 installed, else it runs the transformers backend only and says so).
+# Needs this repository and a Python with CUDA torch (installs nothing, no network).
+# Results: $OUT/gpu_train_bench.json and $OUT/gpu_extract_bench.json (or ./bench_out/), plus the logs and
+# nvidia-smi output next to them.
 #
 #   bash bench/gpu.sh                         # llama8b and kimi, seq 2048 and 4096, ttt_steps 7
 #   bash bench/gpu.sh --configs kimi --seq-lens 4096 --gradient-checkpointing
@@ -19,4 +23,6 @@ done
 { nvidia-smi || true; } > "$OUT_DIR/nvidia-smi.txt" 2>&1
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 # One bad config must not cost the others: the script writes its JSON after every config.
-timeout "${BENCH_TIMEOUT:-540}" "$PY" bench/gpu_train_bench.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_train_bench.log"
+timeout "${BENCH_TIMEOUT:-390}" "$PY" bench/gpu_train_bench.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu_train_bench.log" || true
+timeout "${EXTRACT_TIMEOUT:-180}" "$PY" bench/gpu_extract_bench.py --size small --out "$OUT_DIR" 2>&1 \
+    | grep -v " INFO \| DEBUG " | tee "$OUT_DIR/gpu_extract_bench.log" || true

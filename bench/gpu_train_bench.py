@@ -9,7 +9,8 @@ does not depend on their values): one packed row per micro-batch holding one sam
 
 Draft sizes (one decoder layer, draft vocab 32000):
   llama8b   target Llama-3.1-8B: hidden 4096, 32 heads / 8 kv, head_dim 128, intermediate 14336, vocab 128256
-  kimi      target Kimi-K2.5:    hidden 7168, 56 heads / 8 kv, head_dim 128, intermediate 18432, vocab 163840
+  kimi      target Kimi-K2.5:    hidden 7168, 64 heads / 64 kv, head_dim 128, intermediate 12288, vocab 163840
+            (configs/kimi-k2.5.yaml: the sizes of lightseekorg/kimi-k2.5-eagle3)
 
 FLOPs per optimizer step (model FLOPs, printed per config; recomputation by checkpointing is not
 counted, so this is MFU, not hardware utilisation). T tokens, K TTT steps, c_i positions counted at
@@ -47,14 +48,16 @@ import torch  # noqa: E402
 
 CONFIGS = {
     "llama8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000),
-    "kimi": dict(hidden=7168, heads=56, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000),
+    "kimi": dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=12288, vocab=163840, draft_vocab=32000),
     # --smoke: the same code path at sizes a CPU runs in seconds
     "smoke-a": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1000, draft_vocab=200),
     "smoke-b": dict(hidden=96, heads=6, kv_heads=2, head_dim=16, intermediate=192, vocab=1200, draft_vocab=300),
 }
 
 # Dense bf16 tensor-core peak, FLOP/s (no sparsity), by device-name substring.
+# RTX PRO 6000 Blackwell: 4 PFLOPS FP4 with sparsity = 0.5 PFLOPS dense bf16 (fp32 accumulate).
 PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+             ("RTX PRO 6000", 500e12),
              ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("A10", 125e12)]
 
 
