@@ -199,6 +199,9 @@ class TrainConfig:
     # the loss's denominator: step-0 positions with a loss (counted) or every token of the step, as the
     # official EAGLE-3 code's mean over all positions (all_tokens)
     loss_normalization: Literal["counted", "all_tokens"] = "counted"
+    # memory per GPU that 04's memory planner checks against (docs/design.md#memory-planner-04); null = the
+    # CUDA device's total, no check on CPU
+    gpu_memory_gb: Optional[Annotated[float, Range(gt=0, le=100000)]] = None
 
 
 @dataclass

@@ -198,9 +198,19 @@ class Layout:
         """final/ is built here and renamed into place."""
         return self.train / ".tmp-final"
 
+    @property
+    def best(self) -> Path:
+        """04's export of the checkpoint with the best replayed acceptance length, with best.json."""
+        return self.train / "best"
+
+    @property
+    def best_tmp(self) -> Path:
+        return self.train / ".tmp-best"
+
     def train_outputs(self) -> list[Path]:
         """Everything 04 writes: what --overwrite removes."""
-        return [self.checkpoints, self.tensorboard, self.final, self.final_tmp, self.metrics, self.train_eval_report]
+        return [self.checkpoints, self.tensorboard, self.final, self.final_tmp, self.best, self.best_tmp, self.metrics,
+                self.train_eval_report]
 
     # 05
     @property

@@ -4,14 +4,16 @@
         model.safetensors   trainable weights (fp32, unsharded; the frozen target embedding is left out)
         optimizer.pt        AdamW + schedule state, plain tensors (torch.load(weights_only=True))
         rank{r}.pt          each rank's RNG state and partial logging window
-        state.json          step, data position, fingerprint, counters
+        state.json          step, data position, fingerprint, counters, the best checkpoint so far ("best")
         ledger.json         which train sample was trained in which epoch (common.train.ledger)
         manifest.json       bytes and sha256 of every file above, written last
 
 A checkpoint is written under .tmp-step-N and renamed, so a step-N directory is complete when it
 was written. Disks still fail afterwards (a truncated copy, a bad block): `load_latest` checks the
 newest checkpoint's files against its manifest and, when one is damaged, warns, removes it and
-falls back to the previous intact checkpoint (train.keep_checkpoints are kept for this).
+falls back to the previous intact checkpoint (train.keep_checkpoints are kept for this). Pruning
+keeps, beyond the newest train.keep_checkpoints, the best checkpoint (highest replayed acceptance
+length) that each kept one records in state.json["best"].
 """
 
 from __future__ import annotations
@@ -124,10 +126,29 @@ def save_checkpoint(layout: Layout, step: int, draft, optimizer, state: dict, en
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(ckpt_dir)
-            for _, old in layout.checkpoint_dirs()[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(layout, keep)
         barrier(env)
     return final
+
+
+def best_step_of(path: Path) -> Optional[int]:
+    """The step of the best checkpoint (best replayed acceptance length) that checkpoint `path` records, if any."""
+    try:
+        best = json.loads((path / "state.json").read_text()).get("best")
+        return int(best["step"]) if best else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prune_checkpoints(layout: Layout, keep: int) -> None:
+    """Keep the newest `keep` checkpoints and the best checkpoint each of them records (a resume from any
+    of them finds its best one); remove the rest (docs/design.md#resume-rules)."""
+    dirs = layout.checkpoint_dirs()
+    kept = dirs[-keep:]
+    protected = {step for step, _ in kept} | {b for _, path in kept if (b := best_step_of(path)) is not None}
+    for step, old in dirs:
+        if step not in protected:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def write_manifest(directory: Path) -> None:

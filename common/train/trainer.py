@@ -3,7 +3,10 @@
 Reads hidden/ (common.train.data), the vocab map (common.vocab.vocab_map) and the target's embedding
 (frozen, inside the draft) and lm_head (the teacher: on the device, never trained or saved). Writes
 under run_dir/train/: checkpoints/step-N/ (common.train.checkpoint), metrics.jsonl, tb/ (TensorBoard, if
-installed), eval_report.json and final/ (the vLLM-loadable draft, common.train.export). Formats:
+installed), eval_report.json, final/ (the vLLM-loadable draft, common.train.export) and best/ (the
+checkpoint with the best replayed acceptance length at evaluate.num_speculative_tokens, exported the
+same way, with best.json). Before loading anything it prints its memory plan and refuses to start when
+it cannot fit (common.train.memory_plan). Formats:
 docs/design.md#artifact-formats; the loss: docs/design.md#ttt-alignment-and-loss.
 
 Runs:
@@ -55,8 +58,8 @@ from common.train.offline_eval import evaluate
 from common.model.draft import Eagle3DraftModel, build_draft_config
 from common.model.draft_vocab import load_vocab_map
 from common.core.errors import ConfigError, DataError, PipelineError
-from common.train.export import export_final
-from common.core.io import JsonlAppender, atomic_write_json, read_json
+from common.train.export import export_best, export_final
+from common.core.io import JsonlAppender, atomic_write_json, format_bytes, read_json
 from common.target.loading import check_safetensors_readable, load_target_info, load_target_tensors, target_fingerprint
 from common.train.optim import build_optimizer, lr_at, set_lr
 from common.core.run_folder import Layout, StageManifest
@@ -67,6 +70,7 @@ from common.hidden.stream import StreamWait
 from common.hidden.shards import (HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
                                   write_consumed)
 from common.model.ttt import ttt_loss
+from common.train.memory_plan import check_fits, gpu_capacity, plan_memory, replanner
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,8 +177,21 @@ class Trainer:
             "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
         })
         self.K = t.ttt_steps
+        self.memory_plan, self.replan = self.plan_memory()
         # printed: the served k (05's) and all steps; eval_report.json has every k = 1..ttt_steps
         self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
+
+    def plan_memory(self):
+        """04's peak memory per GPU, estimated before anything is loaded (common.train.memory_plan), and
+        the function that re-plans it with other settings (for the error's suggestions)."""
+        lengths = [s.length for s in self.index.samples]
+        if self.plan is not None:
+            lengths += [n for s in self.plan["shards"] for n in s.get("lengths", [])]
+        tc = self.info.text_config
+        dtype = str(getattr(tc, "torch_dtype", None) or getattr(tc, "dtype", None) or "")  # the embedding's, before loading
+        kw = dict(world_size=self.env.world_size, device_type=self.env.device.type, embed_bf16="bfloat16" in dtype,
+                  max_sample_len=max(lengths, default=self.cfg.tokenize.max_seq_len))
+        return plan_memory(self.draft_cfg, self.t, **kw), replanner(self.draft_cfg, self.t, **kw)
 
     # -- rounds under a disk budget (docs/design.md#rounds-under-a-disk-budget) ---------------
 
@@ -339,6 +356,7 @@ class Trainer:
         self.window = NamedSums(loss=1, tokens=1, step_losses=K, step_correct=K, step_counts=K)
         self.window_steps, self.window_time = 0, 0.0
         self.last_eval = None
+        self.best: Optional[dict] = None  # the checkpoint with the best replayed acceptance length so far
         self.ledger = self.data.new_ledger()
         latest = load_latest(self.layout, self.draft, self.optimizer, self.env)  # skips damaged ones
         if latest is not None:
@@ -368,6 +386,7 @@ class Trainer:
                 # continue the interrupted run's partial logging window: identical metrics lines
                 self.window.load_flat(rank_state["log_window"])
                 self.window_steps, self.window_time = int(rank_state["window_steps"]), float(rank_state["window_time"])
+            self.best = self.resumed_best(state.get("best"))
             self.say(f"04_train: resuming from {path} (step {self.step}/{self.total_steps}, epoch {self.pos.epoch})")
             if state.get("global_micro_batches") != self.data.micro_per_step:
                 self.say(f"04_train: note: the global batch changed from {state.get('global_micro_batches')} to "
@@ -404,6 +423,10 @@ class Trainer:
             if env.is_main:
                 self.manifest.record("already_complete")
             return 0
+        capacity = gpu_capacity(self.cfg, env.device)
+        self.say(f"04_train: memory plan: {self.memory_plan.describe()}"
+                 + (f"; GPU capacity {format_bytes(capacity)}" if capacity is not None else ""))
+        check_fits(self.memory_plan, capacity, self.replan)
         if self.plan is None:
             verify_shard_files(self.index, self.layout, env, self.cfg.extract.verify)
         if env.is_main:
@@ -439,9 +462,13 @@ class Trainer:
                 round_done = self.plan is not None and (self.pos.epoch != this_round or done)
                 if self.step % t.log_every == 0 or done:
                     self.log()
+                new_best = False
                 if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
-                    self.last_eval = self.evaluate() or self.last_eval
-                if self.step % t.checkpoint_every == 0 or done or round_done:
+                    report = self.evaluate()
+                    self.last_eval = report or self.last_eval
+                    new_best = self.update_best(report)
+                # a new best is checkpointed at its step, whatever checkpoint_every says (docs/design.md#resume-rules)
+                if self.step % t.checkpoint_every == 0 or done or round_done or new_best:
                     self.save()  # before a round's shards are deleted: a resume never needs them again
                 if round_done:
                     if env.is_main:
@@ -608,6 +635,44 @@ class Trainer:
                            f"{describe_acceptance(report, self.shown_ks)}")
         return report
 
+    @property
+    def best_k(self) -> int:
+        """The k whose replayed acceptance length picks the best checkpoint: 05's (evaluate.num_speculative_tokens)."""
+        return min(self.cfg.evaluate.num_speculative_tokens, self.K)
+
+    def update_best(self, report: Optional[dict]) -> bool:
+        """Whether this eval is a new best (strictly higher replayed acceptance length at best_k; the same
+        answer on every rank: the report is all-reduced). The step is then checkpointed and kept."""
+        if report is None:
+            return False
+        k = str(self.best_k)
+        al = float(report["replay"][k]["acceptance_length"])
+        if self.best is not None and al <= self.best["acceptance_length"]:
+            return False
+        self.best = {"step": self.step, "k": self.best_k, "acceptance_length": al, "metric": f"eval/replay_al_{k}",
+                     "eval_loss": report["loss"], "step_acc": report["step_acc"]}
+        if self.env.is_main and self.step != self.total_steps:
+            self.bar.write(f"eval @ step {self.step}: new best replayed acceptance length {al:.3f} at k={k}: checkpointed")
+        return True
+
+    def resumed_best(self, best: Optional[dict]) -> Optional[dict]:
+        """The checkpoint's record of the best checkpoint, if it is still usable: same k, and its checkpoint
+        on disk (pruning keeps it; a damaged one is forgotten with a note)."""
+        if not best:
+            return None
+        if int(best.get("k", -1)) != self.best_k:
+            self.say(f"04_train: note: the best checkpoint so far (step {best['step']}) was chosen at k={best.get('k')}; "
+                     f"evaluate.num_speculative_tokens now asks k={self.best_k}: the best is chosen again from the next eval")
+            return None
+        path = self.layout.checkpoint(int(best["step"]))
+        # cheap here (04 checks its files against the manifest when it exports train/best)
+        problem = broadcast_object(None if (path / "model.safetensors").is_file() else "missing", self.env)
+        if problem is not None:
+            self.say(f"04_train: note: the best checkpoint so far, {path}, is {problem}; the best is chosen again "
+                     f"from the next eval")
+            return None
+        return best
+
     def save(self) -> None:
         if self.env.is_main:
             self.metrics.sync()  # lines up to this step are on disk before the checkpoint that vouches for them
@@ -616,7 +681,7 @@ class Trainer:
             "fingerprint": self.fingerprint, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed(),
             "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
             "global_micro_batches": self.data.micro_per_step, "last_train_loss": self.last_train_loss,
-            "ttt_steps": self.K,
+            "ttt_steps": self.K, "best": self.best,
         }
         rank_state = {"log_window": self.window.flat.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
         save_checkpoint(self.layout, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints, rank_state,
@@ -630,11 +695,14 @@ class Trainer:
             "eval": self.last_eval, "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
             "parallel": self.t.parallel if self.env.distributed else "none", "trainable_params": self.n_params,
             "aux_layer_ids": self.index.aux_layer_ids, "draft_config": dataclasses.asdict(self.draft_cfg),
-            "ledger": self.ledger.summary(),
+            "ledger": self.ledger.summary(), "best": self.best,
             "config": self.cfg.to_dict(),
         }
         export_final(self.t.parallel, self.env, self.draft, self.draft_cfg, self.index, self.layout, summary)
+        best_line = export_best(self.env, self.draft_cfg, self.index, self.layout, self.best, self.step)
+        barrier(self.env)
         if self.env.is_main:
+            self.say(f"04_train: {best_line}")
             tau_txt = describe_acceptance(self.last_eval or {}, self.shown_ks)
             self.say(f"04_train: {self.ledger.describe()}")
             self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "

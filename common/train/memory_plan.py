@@ -1,0 +1,295 @@
+"""Stage 04's memory planner: the peak memory per GPU of training, estimated from the config before
+anything is loaded (docs/design.md#memory-planner-04), like 02's disk planner.
+
+    plan = plan_memory(draft_cfg, cfg.train, world_size=8, device_type="cuda")
+    print(plan.describe())             # one line: the peak and its main terms
+    check_fits(plan, cfg, capacity)    # ConfigError naming what to change when it cannot fit
+
+What is alive at the peak (read off common/model/draft.py, common/model/ttt.py, common/train/trainer.py
+and common/core/distributed.py; P = trainable parameters, W = ranks, T = train.batch_max_tokens,
+K = train.ttt_steps, c = bytes of the compute dtype, 2 in bf16, 4 in fp32):
+
+- state: the fp32 master weights (4P; FSDP: 4P/W), AdamW's exp_avg + exp_avg_sq (8P; FSDP 8P/W,
+  allocated at the first optimizer step: the steady state from step 2 on is what is planned),
+  the gradients (4P; DDP adds its 4P of all-reduce buckets; FSDP: the unsharded gradients in the
+  param dtype during backward, plus 4P fp32 kept between micro-batches when grad_accum > 1),
+  bf16 weights (single process / DDP: autocast's cached casts, 2P; FSDP: the root unit's
+  all-gathered params, gathered once per micro-batch and kept through its backward), the frozen
+  target embedding [V, H] and the teacher lm_head [V, H_t] (compute dtype).
+- the micro-batch: aux [T, n_aux*H_t] + final [T, H_t] in the compute dtype, ids/mask/positions int64;
+  the teacher log-probs [T, V_d] fp32 (built in 1024-row chunks, alive until backward ends).
+- saved activations per TTT step (the sum over K steps is alive when backward starts):
+  gradient_checkpointing on: each layer's outputs h, k, v, the step's embeddings and RoPE cos/sin,
+  and the rows gathered for the loss chunks [<=T, H]; off: also every layer's internals
+  (norm inputs in fp32, the q/k/v/MLP inputs, q, attention output, 4 x [T, I] of the MLP).
+- the largest transient on top: the backward of the last step's layer (recomputed when
+  checkpointing; its internal gradients; the k/v gradients of all K steps pending), the
+  attention chunk (scores [heads, 512, S] fp32, S <= longest sample + 512, ~5 copies in backward),
+  or the loss chunk ([1024, V_d] fp32, ~6 copies), or the optimizer step (foreach temporaries, GPU).
+
+Checked against measured peaks (torch's allocator total, CPU) in tests/train/test_memory_plan.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from common.core.errors import ConfigError
+from common.core.io import format_bytes
+
+# Fixed sizes of the code (kept in step with common/model/ttt.py and common/model/draft.py)
+LOSS_CHUNK_ROWS = 1024  # ttt_loss chunk_tokens
+TEACHER_CHUNK_ROWS = 1024  # teacher_from_final_hidden chunk_tokens
+ATTN_CHUNK = 512  # Eagle3DraftModel.attn_chunk_size
+# What the planner leaves free on a GPU of C bytes: the CUDA context, NCCL buffers and the caching
+# allocator's fragmentation are not tensors: refuse above C * USABLE_FRACTION.
+USABLE_FRACTION = 0.92
+
+
+@dataclass
+class MemoryPlan:
+    peak: int  # bytes, per GPU (per process)
+    phase: str  # where the peak is: "backward", "loss chunk", "optimizer step", "teacher"
+    terms: dict[str, int]  # the main terms of the peak, bytes
+    setting: dict = field(default_factory=dict)  # what the plan was made for
+
+    def describe(self) -> str:
+        s = self.setting
+        par = s["parallel"] if s["world_size"] > 1 else "1 process"
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.terms.items() if v > 0)
+        return (f"peak ~{format_bytes(self.peak)} per GPU at the {self.phase} ({par} x{s['world_size']}, "
+                f"{s['dtype']}, {s['trainable_params'] / 1e6:.0f}M trainable params, batch_max_tokens {s['batch_max_tokens']}, "
+                f"ttt_steps {s['ttt_steps']}, gradient_checkpointing {'on' if s['gradient_checkpointing'] else 'off'}): {parts}")
+
+
+def trainable_params(d) -> int:
+    """P of a DraftModelConfig: fc, every decoder layer (layer 0 reads 2H), norm, lm_head."""
+    H, I, hd = d.hidden_size, d.intermediate_size, d.head_dim
+    q, kv = d.num_attention_heads * hd, d.num_key_value_heads * hd
+
+    def layer(inp: int, first: bool) -> int:
+        return inp * (q + 2 * kv) + q * H + 3 * H * I + 2 * H + (H if first else 0)
+
+    return (d.num_aux * d.target_hidden_size * H + layer(2 * H, True) + (d.num_hidden_layers - 1) * layer(H, False)
+            + H + d.draft_vocab_size * H)
+
+
+def resolve_dtype_bytes(precision: str, device_type: str) -> int:
+    """common.train.trainer.resolve_precision: auto = bf16 on GPU, fp32 on CPU."""
+    if precision == "auto":
+        precision = "bf16" if device_type == "cuda" else "fp32"
+    return 2 if precision == "bf16" else 4
+
+
+def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_bf16: bool = True,
+                max_sample_len: Optional[int] = None, batch_max_tokens: Optional[int] = None) -> MemoryPlan:
+    """The peak memory of one rank of 04 for draft config `d` (common.model.draft.DraftModelConfig) and
+    the config's train section `t`. embed_bf16: the target's embedding is bf16 (then 04 keeps it bf16 on
+    a bf16 GPU run); max_sample_len: the longest sample (attention spans a sample; default T)."""
+    T = int(batch_max_tokens or t.batch_max_tokens)
+    K, W = int(t.ttt_steps), int(world_size)
+    c = resolve_dtype_bytes(t.precision, device_type)
+    bf16 = c == 2
+    mode = t.parallel if W > 1 else "single"
+    P = trainable_params(d)
+    H, I, hd, L = d.hidden_size, d.intermediate_size, d.head_dim, d.num_hidden_layers
+    q_w, kv_w = d.num_attention_heads * hd, d.num_key_value_heads * hd
+    V, Vd, Ht, A = d.vocab_size, d.draft_vocab_size, d.target_hidden_size, d.num_aux
+    gc = bool(t.gradient_checkpointing)
+    S = min(T, (max_sample_len or T) + ATTN_CHUNK - 1)  # keys one attention chunk sees (from its first row's sample start)
+    C = min(T, ATTN_CHUNK)
+    rows = min(T, LOSS_CHUNK_ROWS)
+
+    # -- state -------------------------------------------------------------------------------------
+    shard = (lambda n: math.ceil(n / W)) if mode == "fsdp" else (lambda n: n)
+    weights = 4 * shard(P)
+    adam = 8 * shard(P)
+    if mode == "fsdp":
+        working = c * P  # the root unit's all-gathered params (param_dtype), through forward and backward
+        grads = c * P + (4 * P if t.grad_accum > 1 else 0)  # unsharded grads (+ fp32 accumulated ones)
+    else:
+        working = 2 * P if bf16 else 0  # autocast's bf16 copies of the fp32 weights, saved for backward
+        grads = 4 * P + (4 * P if mode == "ddp" else 0)  # DDP's buckets (gradient_as_bucket_view off)
+    embed_bytes = 2 if (bf16 and device_type == "cuda" and embed_bf16) else 4
+    frozen = V * H * embed_bytes + 8 * Vd + V  # embedding, d2t, t2d
+    teacher_head = V * Ht * c
+
+    # -- the micro-batch and the teacher ------------------------------------------------------------
+    batch = T * ((A + 1) * Ht * c + 3 * 8)
+    teacher = T * (4 * Vd + 8 + 1)  # log-probs, argmax, in_draft_vocab
+    bookkeeping = T * (6 * 8 + K)  # packed layout, counted masks
+
+    # -- saved activations per TTT step ---------------------------------------------------------------
+    a = c  # activations (linear outputs under autocast, layer outputs)
+    n = 4 if (bf16 and mode != "fsdp") else c  # RMSNorm output: fp32 weight x bf16 input promotes to fp32
+
+    def norm_saved(d_in: int) -> int:  # RMSNorm: an fp32 copy of its input (unless fp32) and the normalised input
+        return (4 if d_in != 4 else 0) + d_in
+
+    def attn_part(first: bool) -> int:
+        """Bytes per token a layer call keeps for the backward of its attention half (beyond its inputs
+        and its outputs h, k, v): the input norms, the q/k/v input, q after RoPE, the attention output."""
+        b = (norm_saved(a) + norm_saved(embed_bytes)) * H if first else norm_saved(a) * H
+        b += (2 * H if first else H) * (n if n == c else 3 * c)  # q/k/v input: shared, or 3 autocast casts
+        return b + q_w * a * 2
+
+    def mlp_part() -> int:
+        """... and of its MLP half: the residual stream (fp32) and its norm, the MLP input, 4 x [T, I]."""
+        return 4 * H + a * H + H * (n if n == c else 2 * c) + 4 * I * a
+
+    outputs = H * a + 2 * kv_w * a  # h, k, v of every layer call
+    per_step = L * outputs + H * embed_bytes + 2 * hd * 4  # + the step's embeddings, RoPE cos/sin
+    per_step += H * a + 20  # the rows the loss chunks gather, hidden[r] (<= T of them), their indices and weights
+    if not gc:
+        per_step += attn_part(True) + mlp_part() + (L - 1) * (attn_part(False) + mlp_part())
+    saved = T * (K * per_step + H * a)  # + fc(aux), the step-0 hidden
+
+    # -- transients on top of the saved set, in the backward of the last step's last layer ----------
+    last = attn_part(L == 1)
+    scores = 4 * d.num_attention_heads * C * (S + K - 1)  # one attention chunk's fp32 scores [heads, C, S + diag]
+    # the chunk's backward: the recomputed probabilities, their gradient, and the full-size zero-filled
+    # gradients of its slices p[..., :S], p[..., S + j] (one per earlier step j, summed as they come)
+    attn_bwd = T * ((last if gc else -mlp_part()) + q_w * a * 2 + 2 * K * kv_w * a) + int((4 + 0.2 * (K - 1)) * scores)
+    mlp_bwd = T * ((last + mlp_part() if gc else 0) + 3 * I * a + H * 4)
+    loss_chunk = rows * Vd * (c + 6 * 4) + rows * H * 4 * 3  # the loss chunk: logits, log-softmax, teacher, grads
+    teacher_build = TEACHER_CHUNK_ROWS * (V * (c + 4) + 8 * Vd)  # [1024, V] logits while the teacher is built
+    optim_tmp = 4 * shard(P) if device_type == "cuda" else 4 * _largest_param(d) * 2  # foreach sqrt; CPU: per tensor
+    backward = max(attn_bwd, mlp_bwd)
+
+    # each moment's terms (the peak is the largest sum)
+    common = {"weights": weights, "AdamW": adam, "embedding+teacher head": frozen + teacher_head}
+    in_use = {**common, "weights": weights + working, "grads": grads, "batch+teacher logp": batch + teacher + bookkeeping}
+    moments = {
+        "backward": {**in_use, "activations": saved, "transient": backward},
+        "loss chunk": {**in_use, "activations": saved, "transient": loss_chunk},
+        "teacher": {**in_use, "grads": 0, "transient": teacher_build},
+        "optimizer step": {**common, "grads": 4 * shard(P), "batch+teacher logp": batch, "transient": optim_tmp},
+    }
+    if mode == "fsdp":  # after backward, resharded: the unsharded grads + the fp32 reduce-scatter input and output
+        moments["reduce-scatter"] = {**common, "grads": c * P + 4 * P + 4 * shard(P), "batch+teacher logp": batch + teacher}
+    totals = {k: sum(v.values()) for k, v in moments.items()}
+    phase = max(totals, key=totals.get)
+    peak, terms = totals[phase], moments[phase]
+    setting = {"world_size": W, "parallel": mode, "dtype": "bf16" if bf16 else "fp32", "trainable_params": P,
+               "batch_max_tokens": T, "ttt_steps": K, "gradient_checkpointing": gc, "grad_accum": t.grad_accum,
+               "min_batch_tokens": int(max_sample_len or 1)}
+    return MemoryPlan(peak, phase, terms, setting)
+
+
+def _largest_param(d) -> int:
+    H = d.hidden_size
+    return max(d.num_aux * d.target_hidden_size * H, d.draft_vocab_size * H, 2 * H * d.num_attention_heads * d.head_dim,
+               H * d.intermediate_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The check at 04's start
+
+
+def gpu_capacity(cfg, device) -> Optional[int]:
+    """Bytes the planner checks against: train.gpu_memory_gb when set, else the CUDA device's total; None
+    (no check) on CPU without train.gpu_memory_gb."""
+    gb = getattr(cfg.train, "gpu_memory_gb", None)
+    if gb is not None:
+        return int(gb * 1e9)
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[1])
+    return None
+
+
+def check_fits(plan: MemoryPlan, capacity: Optional[int], replan) -> None:
+    """ConfigError (one line, naming what to change) when plan.peak exceeds USABLE_FRACTION of capacity.
+    replan(**changes) -> MemoryPlan for a changed setting: batch_max_tokens=, parallel=, gradient_checkpointing=."""
+    if capacity is None:
+        return
+    usable = int(capacity * USABLE_FRACTION)
+    if plan.peak <= usable:
+        return
+    s = plan.setting
+    fixes = []
+    if not s["gradient_checkpointing"]:
+        p = replan(gradient_checkpointing=True)
+        fixes.append(f"set train.gradient_checkpointing: true (~{format_bytes(p.peak)})")
+    if s["world_size"] > 1 and s["parallel"] != "fsdp":
+        p = replan(parallel="fsdp")
+        fixes.append(f"use train.parallel: fsdp (~{format_bytes(p.peak)})")
+    lo, hi = 0, s["batch_max_tokens"]  # the largest batch_max_tokens that fits as configured otherwise
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if replan(batch_max_tokens=mid).peak <= usable else (lo, mid)
+    if lo >= s["min_batch_tokens"]:  # a micro-batch holds at least the longest sample (never split)
+        step = 256 if lo >= max(2048, s["min_batch_tokens"] + 256) else 1
+        fits = lo // step * step
+        fixes.insert(0, f"lower train.batch_max_tokens to {fits} (~{format_bytes(replan(batch_max_tokens=fits).peak)}; "
+                        f"raise train.grad_accum to keep the batch)")
+    if not fixes:
+        fixes.append("use GPUs with more memory or a smaller draft")
+    raise ConfigError(
+        f"04's estimated peak memory {format_bytes(plan.peak)} per GPU does not fit {format_bytes(capacity)} "
+        f"({USABLE_FRACTION:.0%} usable = {format_bytes(usable)}): {'; or '.join(fixes)} "
+        f"(train.gpu_memory_gb overrides the capacity; docs/design.md#memory-planner-04)")
+
+
+def replanner(d, t, **kw):
+    """replan(**changes) for check_fits: plan_memory with some train settings changed."""
+    def replan(batch_max_tokens=None, parallel=None, gradient_checkpointing=None) -> MemoryPlan:
+        t2 = SimpleNamespace(**{f: getattr(t, f) for f in ("ttt_steps", "precision", "parallel", "gradient_checkpointing",
+                                                           "grad_accum", "batch_max_tokens")})
+        if parallel is not None:
+            t2.parallel = parallel
+        if gradient_checkpointing is not None:
+            t2.gradient_checkpointing = gradient_checkpointing
+        return plan_memory(d, t2, batch_max_tokens=batch_max_tokens, **kw)
+    return replan
+
+
+# ---------------------------------------------------------------------------------------------------
+# From a config alone (no GPU, no weights): scripts/plan_memory.py
+
+
+def target_sizes_from_config_json(model: str) -> Optional[dict]:
+    """The target's text config (a dict) from model/config.json when it is a local directory, else None."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    for key in ("text_config", "language_config", "llm_config"):
+        sub = doc.get(key)
+        if isinstance(sub, dict) and sub.get("num_hidden_layers"):
+            return {**sub, "torch_dtype": sub.get("torch_dtype") or doc.get("torch_dtype") or doc.get("dtype")}
+    return doc
+
+
+def draft_config_from(cfg, target: dict):
+    """The DraftModelConfig 04 would build, from the run config and the target's (text) config dict."""
+    from common.model.draft import build_draft_config
+    from common.target.loading import resolve_aux_layer_ids
+
+    text = SimpleNamespace(**target)
+    layers = int(target["num_hidden_layers"])
+    info = SimpleNamespace(hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), text_config=text)
+    aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, layers)
+    return build_draft_config(cfg, info, cfg.vocab.draft_vocab_size, aux)
+
+
+def plan_for_config(cfg, world_size: int, device_type: str = "cuda", target: Optional[dict] = None) -> MemoryPlan:
+    target = target or target_sizes_from_config_json(cfg.target.model)
+    if target is None:
+        raise ConfigError(f"target.model {cfg.target.model} is not a local directory with a config.json; give the "
+                          f"target's sizes (--target-hidden-size, --target-vocab-size, --target-num-layers)")
+    d = draft_config_from(cfg, target)
+    dtype = str(target.get("torch_dtype") or "bfloat16")
+    return plan_memory(d, cfg.train, world_size=world_size, device_type=device_type, embed_bf16="bfloat16" in dtype,
+                       max_sample_len=cfg.tokenize.max_seq_len)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,73 @@
+"""04's memory plan for a config, without a GPU and without the weights (common/train/memory_plan.py;
+docs/design.md#memory-planner-04). 04 prints the same estimate at its start and refuses to start
+when it does not fit.
+
+    python scripts/plan_memory.py --config configs/kimi-k2.5.yaml --world-size 8 --gpu-memory-gb 96 \\
+        --target-hidden-size 7168 --target-vocab-size 163840 --target-num-layers 61
+    python scripts/plan_memory.py --config configs/tiny.yaml --device cpu     # target.model a local directory
+
+The target's sizes come from target.model/config.json when it is a local directory; --target-* give
+them otherwise (a hub id). Exit 0 when it fits (or no capacity is known), 2 with the one-line error
+04 would print when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                        help="ranks of 04 (torchrun nproc_per_node x nnodes); default $WORLD_SIZE or 1")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what 04 runs on (precision auto follows it)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="memory per GPU to check against (default train.gpu_memory_gb; none: only print)")
+    parser.add_argument("--max-sample-len", type=int, default=None, help="longest sample (default tokenize.max_seq_len)")
+    parser.add_argument("--target-hidden-size", type=int)
+    parser.add_argument("--target-vocab-size", type=int)
+    parser.add_argument("--target-num-layers", type=int)
+    parser.add_argument("--target-dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    from common.core.config import load_config
+    from common.core.errors import PipelineError
+    from common.core.io import format_bytes
+    from common.train.memory_plan import (check_fits, draft_config_from, plan_memory, replanner,
+                                          target_sizes_from_config_json)
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        given = {"hidden_size": args.target_hidden_size, "vocab_size": args.target_vocab_size,
+                 "num_hidden_layers": args.target_num_layers}
+        target = target_sizes_from_config_json(cfg.target.model) or {}
+        target = {**target, **{k: v for k, v in given.items() if v is not None}}
+        missing = [k for k in given if k not in target]
+        if missing:
+            raise PipelineError(f"target.model {cfg.target.model} has no local config.json: give "
+                                + ", ".join(f"--target-{k.replace('_', '-').replace('hidden-layers', 'layers')}" for k in missing))
+        target.setdefault("torch_dtype", args.target_dtype)
+        d = draft_config_from(cfg, target)
+        kw = dict(world_size=args.world_size, device_type=args.device, embed_bf16="bfloat16" in str(target["torch_dtype"]),
+                  max_sample_len=args.max_sample_len or cfg.tokenize.max_seq_len)
+        plan = plan_memory(d, cfg.train, **kw)
+        gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else cfg.train.gpu_memory_gb
+        capacity = int(gb * 1e9) if gb is not None else None
+        print(f"04_train: memory plan: {plan.describe()}" + (f"; GPU capacity {format_bytes(capacity)}" if capacity else ""))
+        check_fits(plan, capacity, replanner(d, cfg.train, **kw))
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if capacity:
+        print(f"fits: {format_bytes(plan.peak)} of {format_bytes(capacity)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""04 keeps the checkpoint with the best replayed acceptance length and exports it as train/best/
+(docs/design.md#artifact-formats, #resume-rules): the step whose logged eval/replay_al_k is the
+highest, kept through keep_checkpoints pruning and through a SIGKILL + resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import REPO, clone_run, read_metrics, train_env
+
+SCRIPT = REPO / "tests" / "train" / "scripted_al_run.py"
+K = "3"  # evaluate.num_speculative_tokens (default 3) = train.ttt_steps of the fixture run
+
+
+def _logged_best(run_dir: Path) -> tuple[int, float]:
+    """(step, AL) of the highest replayed acceptance length in metrics.jsonl (the first on a tie)."""
+    evals = [r for r in read_metrics(run_dir) if r["type"] == "eval"]
+    top = max(evals, key=lambda r: (r["replay"][K]["acceptance_length"], -r["step"]))
+    return top["step"], top["replay"][K]["acceptance_length"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "train" / "checkpoints").glob("step-*"))
+
+
+def _assert_best_export_is_checkpoint(run_dir: Path, step: int) -> None:
+    best = load_file(str(run_dir / "train" / "best" / "model.safetensors"))
+    ckpt = load_file(str(run_dir / "train" / "checkpoints" / f"step-{step}" / "model.safetensors"))
+    assert best.keys() <= ckpt.keys() and "fc.weight" in best
+    for k, v in best.items():
+        assert torch.equal(v, ckpt[k].to(v.dtype)), k
+
+
+def test_best_checkpoint_survives_pruning_and_is_exported(hidden_run, tmp_path, one_torch_thread):
+    """The best eval (step 10) falls between checkpoints (every 20) and keep_checkpoints is 1: 04
+    checkpoints step 10 anyway, keeps it past two later checkpoints, and exports it as train/best."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from scripted_al_run import main as scripted_main
+
+    cfg = clone_run(hidden_run, tmp_path, max_steps=40, eval_every=5, checkpoint_every=20, keep_checkpoints=1)
+    scripted = {"5": 1.3, "10": 2.0, "15": 1.6, "20": 1.5, "25": 2.0, "30": 1.2, "35": 1.9, "40": 1.8}
+    assert scripted_main(str(cfg), scripted) == 0
+    run_dir = tmp_path / "run"
+    assert _logged_best(run_dir) == (10, 2.0)  # 25 ties: the first one stays
+    assert _steps(run_dir) == [10, 40]
+    info = json.loads((run_dir / "train" / "best" / "best.json").read_text())
+    assert (info["step"], info["k"], info["acceptance_length"]) == (10, 3, 2.0)
+    assert info["checkpoint"] == "checkpoints/step-10" and info["last_step"] == 40
+    _assert_best_export_is_checkpoint(run_dir, 10)
+    # exported like train/final (same config), and final is the last step, not the best
+    assert (run_dir / "train" / "best" / "config.json").read_text() == (run_dir / "train" / "final" / "config.json").read_text()
+    final = load_file(str(run_dir / "train" / "final" / "model.safetensors"))
+    last = load_file(str(run_dir / "train" / "checkpoints" / "step-40" / "model.safetensors"))
+    assert torch.equal(final["fc.weight"], last["fc.weight"].to(final["fc.weight"].dtype))
+    assert not torch.equal(final["fc.weight"], load_file(str(run_dir / "train" / "best" / "model.safetensors"))["fc.weight"])
+    summary = json.loads((run_dir / "train" / "final" / "training_summary.json").read_text())
+    assert summary["best"]["step"] == 10
+
+
+def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
+    """SIGKILLed after checkpoint step-20 (whose state records best = step 10): the resumed run keeps
+    step 10 until a better eval (step 25) replaces it, and ends with what an uninterrupted run has."""
+    kw = dict(max_steps=30, eval_every=5, checkpoint_every=10, keep_checkpoints=1, log_every=5)
+    scripted = json.dumps({"5": 1.3, "10": 2.0, "15": 1.6, "20": 1.5, "25": 2.5, "30": 1.7})
+    env = train_env()
+    ref_cfg = clone_run(hidden_run, tmp_path / "ref", **kw)
+    cut_cfg = clone_run(hidden_run, tmp_path / "cut", **kw)
+    ref = subprocess.run([sys.executable, str(SCRIPT), str(ref_cfg), scripted], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    cut_run = tmp_path / "cut" / "run"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(cut_cfg), scripted], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (cut_run / "train" / "checkpoints" / "step-20" / "state.json").exists():
+            assert proc.poll() is None and time.time() < deadline, "no checkpoint step-20"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    on_disk = _steps(cut_run)
+    assert 10 in on_disk and 20 in on_disk and not (cut_run / "train" / "best").exists()
+    if max(on_disk) == 20:  # killed before step 25: the latest checkpoint vouches for best = step 10
+        state = json.loads((cut_run / "train" / "checkpoints" / "step-20" / "state.json").read_text())
+        assert state["best"]["step"] == 10
+
+    resumed = subprocess.run([sys.executable, str(SCRIPT), str(cut_cfg), scripted], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+    for run_dir in (tmp_path / "ref" / "run", cut_run):
+        assert _logged_best(run_dir) == (25, 2.5)
+        assert _steps(run_dir) == [25, 30]  # step 10 went once step 25 was the best and step 30 the kept one
+        assert json.loads((run_dir / "train" / "best" / "best.json").read_text())["step"] == 25
+        _assert_best_export_is_checkpoint(run_dir, 25)
+    a = load_file(str(tmp_path / "ref" / "run" / "train" / "best" / "model.safetensors"))
+    b = load_file(str(cut_run / "train" / "best" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_without_an_eval_split_only_the_last_is_exported(hidden_run, tmp_path, one_torch_thread, capsys):
+    """No eval shards (index.json lists only train shards): 04 says so and exports only train/final."""
+    from common.core.config import load_config
+    from common.train.trainer import run_training
+
+    cfg_path = clone_run(hidden_run, tmp_path, max_steps=6, eval_every=3, checkpoint_every=3, keep_checkpoints=1)
+    run_dir = tmp_path / "run"
+    index = json.loads((run_dir / "hidden" / "index.json").read_text())
+    eval_files = {s["file"] for s in index["shards"] if s["split"] == "eval"}
+    assert eval_files
+    index["shards"] = [s for s in index["shards"] if s["file"] not in eval_files]
+    (run_dir / "hidden" / "index.json").write_text(json.dumps(index))
+    assert run_training(load_config(cfg_path)) == 0
+    out = capsys.readouterr().out
+    assert "no eval ran" in out and "train/best is not written" in out
+    assert (run_dir / "train" / "final" / "model.safetensors").is_file() and not (run_dir / "train" / "best").exists()

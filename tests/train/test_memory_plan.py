@@ -1,0 +1,103 @@
+"""04's memory planner (common/train/memory_plan.py, docs/design.md#memory-planner-04): its estimate
+against the peak measured on CPU at two tiny sizes, its refusal, and its figures for the Kimi config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, clone_run, train_env
+
+PROBE = REPO / "tests" / "train" / "memory_probe.py"
+# The estimate is an upper bound: never below the measured peak, at most this much above it. Most of
+# the margin is the attention chunk, planned for a chunk that starts at a sample's last token (S =
+# longest sample + 511 keys); the tiny data has no such chunk.
+OVER = 1.3
+
+SIZES = {
+    # the fixture's draft (hidden 64, I 128, 4 heads / 2 KV of 16), 256 tokens, 3 TTT steps, no checkpointing
+    "small": [],
+    # 1024 tokens, 5 TTT steps, I 512, 8 heads / 4 KV of 32, gradient checkpointing on
+    "larger+gc": ["train.batch_max_tokens=1024", "train.ttt_steps=5", "train.gradient_checkpointing=true",
+                  "draft.intermediate_size=512", "draft.num_attention_heads=8", "draft.num_key_value_heads=4",
+                  "draft.head_dim=32"],
+}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_estimate_bounds_the_measured_peak(hidden_run, tmp_path, size):
+    """04's printed estimate vs the allocator's peak over 3 training steps (steady state: AdamW state
+    exists from step 2), in a fresh process (tests/train/memory_probe.py explains the measurement)."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=3, eval_every=0, checkpoint_every=100)
+    out = subprocess.run([sys.executable, str(PROBE), str(cfg), "3", *SIZES[size]], env=train_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    measured, estimate = r["peak_bytes"], r["estimate_bytes"]
+    print(f"{size}: measured {measured / 1e6:.2f} MB, estimated {estimate / 1e6:.2f} MB "
+          f"({estimate / measured:.2f}x): {r['estimate']}")
+    assert measured <= estimate <= OVER * measured
+    assert r["step_peaks"][1] > r["step_peaks"][0]  # AdamW's state from the first optimizer step on
+
+
+def test_04_prints_the_plan_and_refuses_what_cannot_fit(hidden_run, tmp_path):
+    cfg = clone_run(hidden_run, tmp_path, max_steps=2)
+    base = [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg)]
+    small = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009"], env=train_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert small.returncode == 2
+    assert "04_train: memory plan: peak ~" in small.stdout
+    err = [line for line in small.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "does not fit 9.00 MB" in err[0] and "lower train.batch_max_tokens to" in err[0]
+    assert "gradient_checkpointing: true" in err[0]
+    assert not (tmp_path / "run" / "train" / "checkpoints").exists()  # refused before anything was written
+    # the suggested batch fits: 04 trains with it
+    suggested = int(err[0].split("lower train.batch_max_tokens to ")[1].split()[0])
+    ok = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009", "--set", f"train.batch_max_tokens={suggested}"],
+                        env=train_env(), capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+KIMI_TARGET = {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61, "torch_dtype": "bfloat16"}
+KIMI_DRAFT = ["draft.hidden_size=7168", "draft.intermediate_size=12288", "draft.num_attention_heads=64",
+              "draft.num_key_value_heads=64", "draft.head_dim=128", "vocab.draft_vocab_size=32000", "train.ttt_steps=7",
+              "train.parallel=fsdp", "train.precision=bf16", "train.gradient_checkpointing=true"]
+
+
+def _kimi(tokens: int, *extra: str):
+    from common.core.config import load_config
+    from common.train.memory_plan import plan_for_config
+
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml", [*KIMI_DRAFT, f"train.batch_max_tokens={tokens}", *extra])
+    return plan_for_config(cfg, 8, "cuda", target=dict(KIMI_TARGET))
+
+
+def test_kimi_config_on_96_gb_cards():
+    """The figures README quotes: 8 ranks of FSDP on 96 GB cards (RTX PRO 6000 Blackwell)."""
+    for tokens in (16384, 20480):
+        plan = _kimi(tokens)
+        print(f"{tokens}: {plan.describe()}")
+        assert plan.setting["trainable_params"] == pytest.approx(1.059e9, rel=0.01)
+        assert 30e9 < plan.peak < 0.92 * 96e9
+    # each setting moves the estimate the way it must
+    assert _kimi(16384).peak < _kimi(20480).peak < _kimi(20480, "train.parallel=ddp").peak
+    assert _kimi(20480).peak < _kimi(20480, "train.gradient_checkpointing=false").peak
+
+
+def test_plan_memory_script_for_a_hub_target():
+    args = [sys.executable, str(REPO / "scripts" / "plan_memory.py"), "--config", str(REPO / "configs" / "kimi-k2.5.yaml"),
+            "--world-size", "8", "--gpu-memory-gb", "96", "--target-hidden-size", "7168", "--target-vocab-size", "163840",
+            "--target-num-layers", "61", *[a for s in KIMI_DRAFT for a in ("--set", s)]]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "04_train: memory plan: peak ~" in out.stdout and "fits:" in out.stdout
+    tight = [*args, "--set", "train.gradient_checkpointing=false", "--set", "train.batch_max_tokens=32768"]
+    out = subprocess.run(tight, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "gradient_checkpointing: true" in out.stderr
+    # tokenize.max_seq_len 20480 bounds a micro-batch from below: a smaller batch is offered only for shorter samples
+    assert "lower train.batch_max_tokens" not in out.stderr
+    out = subprocess.run([*tight, "--max-sample-len", "8192"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "lower train.batch_max_tokens to" in out.stderr
