@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check, under 10 minutes on one GPU:
-# 1. stage-04 training throughput (tokens/s, MFU, peak memory) for a Llama-3.1-8B-sized and a Kimi-K2.5-sized
+# 1. stage-04 training throughput (tokens/s, MFU, peak memory beside 04's memory plan) for a Llama-3.1-8B-sized and a Kimi-K2.5-sized
 #    EAGLE-3 draft (configs/kimi-k2.5.yaml's sizes): bench/gpu_train_bench.py with synthetic hidden states;
 # 2. stage 02 on a small MLA + MoE target (DeepSeek-V3 / Kimi-K2.5's architecture) through vLLM and through
 #    transformers: tokens/s and how far apart their states are (bench/gpu_extract_bench.py; needs vLLM

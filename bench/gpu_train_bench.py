@@ -164,8 +164,19 @@ def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process high-water mark (RSS)
+    # 04's memory planner for the same step (common/train/memory_plan.py): its GPU-only terms (autocast copies,
+    # foreach temporaries) are checked here and nowhere else; the bench's embedding stays fp32
+    from types import SimpleNamespace
+
+    from common.train.memory_plan import plan_memory
+
+    settings = SimpleNamespace(batch_max_tokens=seq_len, ttt_steps=args.ttt_steps, grad_accum=1, parallel="ddp",
+                               gradient_checkpointing=args.gradient_checkpointing, precision="bf16")
+    planned = plan_memory(draft.config, settings, world_size=1, device_type=device.type, embed_bf16=False,
+                          max_sample_len=seq_len).peak
     result = {
         "config": name, **spec, "seq_len": seq_len, "ttt_steps": args.ttt_steps, "attention": args.attention,
+        "planned_peak_memory_gb": planned / 1e9, "planned_over_measured": planned / peak_mem if peak_mem else None,
         "gradient_checkpointing": args.gradient_checkpointing, "trainable_params": n_params,
         "step_s_median": step_s, "step_s_all": times, "tokens_per_s": seq_len / step_s,
         "flops_per_step": flops["total"], "flops_breakdown": flops, "achieved_tflops": flops["total"] / step_s / 1e12,
@@ -246,7 +257,8 @@ def main() -> None:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             print(f"{name:8} seq {seq_len:5}: {r['tokens_per_s']:>9,.0f} tok/s  step {r['step_s_median'] * 1e3:8.1f} ms  "
                   f"{r['flops_per_step'] / 1e12:8.4g} TFLOP/step  {r['achieved_tflops']:8.4g} TFLOP/s  MFU {mfu:>6}  "
-                  f"peak mem {r['peak_memory_gb']:6.2f} GB  ({r['trainable_params'] / 1e6:.1f}M trainable params)", flush=True)
+                  f"peak mem {r['peak_memory_gb']:6.2f} GB (planned {r['planned_peak_memory_gb']:.2f})  "
+                  f"({r['trainable_params'] / 1e6:.1f}M trainable params)", flush=True)
             f = r["flops_breakdown"]
             print(f"{'':8} FLOPs/step: " + ", ".join(f"{k} {v / 1e9:.4g}G" for k, v in f.items() if k != "total")
                   + f" = {f['total'] / 1e9:.4g} GFLOP", flush=True)
