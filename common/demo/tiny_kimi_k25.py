@@ -275,22 +275,10 @@ import shutil
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from transformers import PreTrainedTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # as Kimi's newer tokenization files
 
 PAT_STR = {pat_str!r}
 NUM_RESERVED_SPECIAL = {num_reserved}
-
-
-def _byte_to_char():
-    """GPT-2's reversible byte -> printable unicode map (token strings of byte-level BPEs)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\\xa1"), ord("\\xac") + 1)) + list(range(ord("\\xae"), 256))
-    chars, extra = dict(), 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 class TikTokenTokenizer(PreTrainedTokenizer):
@@ -306,7 +294,7 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         self.special_tokens = {{names.get(i, "<|reserved_token_%d|>" % i): i for i in range(base, base + NUM_RESERVED_SPECIAL)}}
         self.model = tiktoken.Encoding(name=os.path.basename(vocab_file), pat_str=PAT_STR, mergeable_ranks=ranks,
                                        special_tokens=self.special_tokens)
-        self.byte_encoder = _byte_to_char()
+        self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {{c: b for b, c in self.byte_encoder.items()}}
         self.decoder = {{i: "".join(self.byte_encoder[b] for b in tok) for tok, i in ranks.items()}}
         self.encoder = {{s: i for i, s in self.decoder.items()}}
@@ -353,30 +341,18 @@ def special_token_id(name: str) -> int:
     return BASE_VOCAB + next(off for off, (n, _) in SPECIAL_TOKENS.items() if n == name)
 
 
-def _byte_to_char() -> dict[int, str]:
-    # The same map as tokenizers' ByteLevel alphabet (GPT-2's bytes_to_unicode).
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def train_tiktoken_ranks(texts: list[str], base_vocab: int = BASE_VOCAB) -> dict[bytes, int]:
     """A byte-level BPE trained with `tokenizers` on `texts`, as tiktoken mergeable ranks:
     the 256 single bytes at ranks 0..255 (byte order), then the merged tokens in merge order."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # tokenizers' ByteLevel alphabet
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     trainer = trainers.BpeTrainer(vocab_size=base_vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
-    char_to_byte = {c: b for b, c in _byte_to_char().items()}
+    char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     ranks = {bytes([b]): b for b in range(256)}
     for token, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
         raw = bytes(char_to_byte[c] for c in token)
