@@ -8,6 +8,7 @@ safetensors, run over structured token sequences by the real stage-02 code
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -191,11 +192,23 @@ def test_training_learns_and_reports(hidden_run, tmp_path, one_torch_thread):
 # ---------------------------------------------------------------------------------------------
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, step: int, timeout: float = 180.0) -> None:
+def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints (state.json written last) in ckpt_dir, ascending."""
+    steps = []
+    for name in os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []:
+        if name.startswith("step-") and (ckpt_dir / name / "state.json").exists():
+            steps.append(int(name.split("-")[1]))
+    return sorted(steps)
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, step: int, timeout: float = 180.0) -> int:
+    """Wait for a complete checkpoint at `step` or later (pruning may delete step-`step` before a poll sees
+    it on a fast machine) and return the newest step found."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (ckpt_dir / f"step-{step}" / "state.json").exists():
-            return
+        reached = [s for s in _checkpoint_steps(ckpt_dir) if s >= step]
+        if reached:
+            return reached[-1]
         if proc.poll() is not None:
             raise AssertionError(f"training exited ({proc.returncode}) before checkpoint step-{step}")
         time.sleep(0.02)
@@ -259,10 +272,11 @@ def _ledger(run_dir: Path) -> dict:
 def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, tmp_path):
     """1 process x grad_accum 3: epochs end mid-step, where the rank's stand-in micro-batches get weight 0.
     Three SIGKILLs at random steps (and random moments inside them, checkpoints included), then a rerun:
-    the ledger has every train sample exactly once in each of the 2 epochs, as the uninterrupted run's."""
+    the ledger has every train sample exactly once in each of the 3 epochs, as the uninterrupted run's."""
     import random
 
-    kw = dict(max_steps=None, epochs=2, grad_accum=3, checkpoint_every=2, keep_checkpoints=1, eval_every=0,
+    epochs = 3
+    kw = dict(max_steps=None, epochs=epochs, grad_accum=3, checkpoint_every=2, keep_checkpoints=1, eval_every=0,
               log_every=5, batch_max_tokens=160)
     ref_cfg, cut_cfg = clone_run(hidden_run, tmp_path / "ref", **kw), clone_run(hidden_run, tmp_path / "cut", **kw)
     env = train_env()
@@ -270,27 +284,40 @@ def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, 
     assert ref.returncode == 0, ref.stderr[-2000:]
     ledger = _ledger(tmp_path / "ref" / "run")
     train_ids = [json.loads(line)["id"] for line in (tmp_path / "ref" / "run" / "data" / "train.jsonl").read_text().splitlines()]
-    assert sorted(ledger["sample_ids"]) == sorted(train_ids) and len(ledger["epochs"]) == 2
+    assert sorted(ledger["sample_ids"]) == sorted(train_ids) and len(ledger["epochs"]) == epochs
     assert all(c == [1] * len(train_ids) for c in ledger["epochs"])
     summary = json.loads((tmp_path / "ref" / "run" / "train" / "final" / "training_summary.json").read_text())
     total_steps = summary["total_steps"]
-    assert summary["ledger"] == {"num_samples": len(train_ids), "epochs": 2, "min_times": 2, "max_times": 2,
-                                 "per_epoch_trained": [len(train_ids)] * 2}
-    assert f"every one of {len(train_ids)} train samples trained exactly 2 time(s)" in ref.stdout
+    assert summary["ledger"] == {"num_samples": len(train_ids), "epochs": epochs, "min_times": epochs,
+                                 "max_times": epochs, "per_epoch_trained": [len(train_ids)] * epochs}
+    assert f"every one of {len(train_ids)} train samples trained exactly {epochs} time(s)" in ref.stdout
 
+    # Each kill waits for a checkpoint 1-2 checkpoints past the one its run resumes from, then a random
+    # 0-120 ms more (a step takes ~60 ms here, a checkpoint write included), so it lands mid-step or mid-write.
+    # Targets follow the run (a fixed list breaks when a machine is fast enough to pass a target in the wait).
     rng = random.Random(4)
     cut_run = tmp_path / "cut" / "run"
-    for target in sorted(rng.sample(range(2, total_steps - 2, 2), 3)):
+    ckpt_dir = cut_run / "train" / "checkpoints"
+    kills = 0
+    for _ in range(3):
+        target = max([0] + _checkpoint_steps(ckpt_dir)) + 2 * rng.randint(1, 2)
+        if target >= total_steps - 1:
+            break
         proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", target)
-            time.sleep(rng.uniform(0.0, 0.3))  # inside a later step or its checkpoint write
+            _wait_for_checkpoint(proc, ckpt_dir, target)
+            time.sleep(rng.uniform(0.0, 0.12))
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.wait(timeout=60)
+        if proc.returncode != -signal.SIGKILL:  # finished inside the random wait: nothing left to kill
+            assert proc.returncode == 0
+            break
+        kills += 1
         assert not (cut_run / "train" / "final").exists()
         partial = _ledger(cut_run)  # what the kept checkpoint vouches for: no sample twice
         assert all(max(c) <= 1 for c in partial["epochs"])
+    assert kills >= 2, f"only {kills} of the planned 3 kills landed before the run ended ({total_steps} steps)"
     done = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _ledger(cut_run) == ledger
