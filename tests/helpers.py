@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -158,6 +159,26 @@ def clone_run(fixture_cfg: Path, dest: Path, **train) -> Path:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints in run_dir, ascending."""
+    from common.core.run_folder import Layout
+
+    return [step for step, _ in Layout.of(run_dir).checkpoint_dirs()]
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180.0) -> None:
+    """Wait for a complete checkpoint at `step` or later (pruning may delete step-`step` before a poll sees
+    it on a fast machine)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(s >= step for s in checkpoint_steps(run_dir)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited ({proc.returncode}) before checkpoint step-{step}")
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint step-{step} within {timeout}s")
 
 
 def train_cmd(cfg_path: Path, *extra: str) -> list[str]:

@@ -8,13 +8,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, clone_run, read_metrics, train_env
+from tests.helpers import REPO, checkpoint_steps, clone_run, read_metrics, train_env, wait_for_checkpoint
 
 SCRIPT = REPO / "tests" / "train" / "scripted_al_run.py"
 K = "3"  # evaluate.num_speculative_tokens (default 3) = train.ttt_steps of the fixture run
@@ -25,10 +24,6 @@ def _logged_best(run_dir: Path) -> tuple[int, float]:
     evals = [r for r in read_metrics(run_dir) if r["type"] == "eval"]
     top = max(evals, key=lambda r: (r["replay"][K]["acceptance_length"], -r["step"]))
     return top["step"], top["replay"][K]["acceptance_length"]
-
-
-def _steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "train" / "checkpoints").glob("step-*"))
 
 
 def _assert_best_export_is_checkpoint(run_dir: Path, step: int) -> None:
@@ -50,7 +45,7 @@ def test_best_checkpoint_survives_pruning_and_is_exported(hidden_run, tmp_path, 
     assert scripted_main(str(cfg), scripted) == 0
     run_dir = tmp_path / "run"
     assert _logged_best(run_dir) == (10, 2.0)  # 25 ties: the first one stays
-    assert _steps(run_dir) == [10, 40]
+    assert checkpoint_steps(run_dir) == [10, 40]
     info = json.loads((run_dir / "train" / "best" / "best.json").read_text())
     assert (info["step"], info["k"], info["acceptance_length"]) == (10, 3, 2.0)
     assert info["checkpoint"] == "checkpoints/step-10" and info["last_step"] == 40
@@ -81,15 +76,12 @@ def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
     proc = subprocess.Popen([sys.executable, str(SCRIPT), str(cut_cfg), scripted], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 300
-        while not (cut_run / "train" / "checkpoints" / "step-20" / "state.json").exists():
-            assert proc.poll() is None and time.time() < deadline, "no checkpoint step-20"
-            time.sleep(0.02)
+        wait_for_checkpoint(proc, cut_run, 20, timeout=300)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    on_disk = _steps(cut_run)
+    on_disk = checkpoint_steps(cut_run)
     assert 10 in on_disk and 20 in on_disk and not (cut_run / "train" / "best").exists()
     if max(on_disk) == 20:  # killed before step 25: the latest checkpoint vouches for best = step 10
         state = json.loads((cut_run / "train" / "checkpoints" / "step-20" / "state.json").read_text())
@@ -101,7 +93,7 @@ def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
     assert "resuming from" in resumed.stdout
     for run_dir in (tmp_path / "ref" / "run", cut_run):
         assert _logged_best(run_dir) == (25, 2.5)
-        assert _steps(run_dir) == [25, 30]  # step 10 went once step 25 was the best and step 30 the kept one
+        assert checkpoint_steps(run_dir) == [25, 30]  # step 10 went once step 25 was the best and step 30 the kept one
         assert json.loads((run_dir / "train" / "best" / "best.json").read_text())["step"] == 25
         _assert_best_export_is_checkpoint(run_dir, 25)
     a = load_file(str(tmp_path / "ref" / "run" / "train" / "best" / "model.safetensors"))

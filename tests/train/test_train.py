@@ -8,7 +8,6 @@ safetensors, run over structured token sequences by the real stage-02 code
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -19,7 +18,8 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import (AUX_IDS, DRAFT_VOCAB, HIDDEN, clone_run, read_metrics, train_cmd, train_env)
+from tests.helpers import (AUX_IDS, DRAFT_VOCAB, HIDDEN, checkpoint_steps, clone_run, read_metrics, train_cmd, train_env,
+                           wait_for_checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,29 +192,6 @@ def test_training_learns_and_reports(hidden_run, tmp_path, one_torch_thread):
 # ---------------------------------------------------------------------------------------------
 
 
-def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints (state.json written last) in ckpt_dir, ascending."""
-    steps = []
-    for name in os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []:
-        if name.startswith("step-") and (ckpt_dir / name / "state.json").exists():
-            steps.append(int(name.split("-")[1]))
-    return sorted(steps)
-
-
-def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, step: int, timeout: float = 180.0) -> int:
-    """Wait for a complete checkpoint at `step` or later (pruning may delete step-`step` before a poll sees
-    it on a fast machine) and return the newest step found."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        reached = [s for s in _checkpoint_steps(ckpt_dir) if s >= step]
-        if reached:
-            return reached[-1]
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited ({proc.returncode}) before checkpoint step-{step}")
-        time.sleep(0.02)
-    raise AssertionError(f"no checkpoint step-{step} within {timeout}s")
-
-
 def test_resume_after_sigkill_is_exact(hidden_run, tmp_path):
     from safetensors.torch import load_file
 
@@ -231,13 +208,13 @@ def test_resume_after_sigkill_is_exact(hidden_run, tmp_path):
     proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # step 15: mid logging window (log_every=2), so the resumed run must also restore the window
-        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 15)
+        wait_for_checkpoint(proc, cut_run, 15)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert not (cut_run / "train" / "final").exists()
-    killed_at = max(int(p.name.split("-")[1]) for p in (cut_run / "train" / "checkpoints").glob("step-*"))
+    killed_at = checkpoint_steps(cut_run)[-1]
     assert killed_at < steps
 
     resumed = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
@@ -265,8 +242,10 @@ def test_resume_after_sigkill_is_exact(hidden_run, tmp_path):
 
 def _ledger(run_dir: Path) -> dict:
     """The newest checkpoint's ledger.json."""
-    ckpts = sorted((run_dir / "train" / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return json.loads((ckpts[-1] / "ledger.json").read_text())
+    from common.core.run_folder import Layout
+
+    _, newest = Layout.of(run_dir).checkpoint_dirs()[-1]
+    return json.loads((newest / "ledger.json").read_text())
 
 
 def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, tmp_path):
@@ -297,15 +276,14 @@ def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, 
     # Targets follow the run (a fixed list breaks when a machine is fast enough to pass a target in the wait).
     rng = random.Random(4)
     cut_run = tmp_path / "cut" / "run"
-    ckpt_dir = cut_run / "train" / "checkpoints"
     kills = 0
     for _ in range(3):
-        target = max([0] + _checkpoint_steps(ckpt_dir)) + 2 * rng.randint(1, 2)
+        target = max([0] + checkpoint_steps(cut_run)) + 2 * rng.randint(1, 2)
         if target >= total_steps - 1:
             break
         proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_for_checkpoint(proc, ckpt_dir, target)
+            wait_for_checkpoint(proc, cut_run, target)
             time.sleep(rng.uniform(0.0, 0.12))
             proc.send_signal(signal.SIGKILL)
         finally:

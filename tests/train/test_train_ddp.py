@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import build_run, clone_run, read_metrics, train_cmd, train_env
+from tests.helpers import build_run, clone_run, read_metrics, train_cmd, train_env, wait_for_checkpoint
 
 STEPS = 6
 SETTINGS = dict(max_steps=STEPS, batch_max_tokens=160, log_every=1, eval_every=0, checkpoint_every=100, keep_checkpoints=1)
@@ -89,8 +89,6 @@ def test_two_process_sigkill_then_resume_is_exact(fixture_cfg, tmp_path, paralle
     import psutil
     from safetensors.torch import load_file
 
-    from tests.train.test_train import _wait_for_checkpoint
-
     steps = 24
     kw = dict(max_steps=steps, batch_max_tokens=160, log_every=1, eval_every=0, checkpoint_every=3, keep_checkpoints=2,
               grad_accum=1, parallel=parallel)
@@ -103,7 +101,7 @@ def test_two_process_sigkill_then_resume_is_exact(fixture_cfg, tmp_path, paralle
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *train_cmd(cut)[1:]]
     proc = subprocess.Popen(cmd, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for_checkpoint(proc, cut_run / "train" / "checkpoints", 3)
+        wait_for_checkpoint(proc, cut_run, 3)
         # torchrun starts each rank in a session of its own: kill the agent and every rank by pid, at once
         ranks = psutil.Process(proc.pid).children(recursive=True)
         for pid in [proc.pid] + [r.pid for r in ranks]:
