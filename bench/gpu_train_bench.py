@@ -61,13 +61,14 @@ PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989
              ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("A10", 125e12)]
 
 
-def step_flops(spec: dict, seq_len: int, ttt_steps: int, counted: list[int]) -> dict:
+def step_flops(spec: dict, sample_len: int, samples: int, ttt_steps: int, counted: list[int]) -> dict:
     H, Ht, nh, nkv, hd, inter = spec["hidden"], spec["hidden"], spec["heads"], spec["kv_heads"], spec["head_dim"], spec["intermediate"]
-    V, Vd, T, L, K = spec["vocab"], spec["draft_vocab"], seq_len, seq_len, ttt_steps
+    V, Vd, L, K = spec["vocab"], spec["draft_vocab"], sample_len, ttt_steps
+    T = L * samples
     per_token_step = 2 * (2 * H) * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 2 * 3 * H * inter
     parts = {
         "layer": 3 * K * T * per_token_step,
-        "attention": 3 * sum(4 * nh * hd * (L * (L + 1) / 2 + i * L) for i in range(K)),
+        "attention": 3 * samples * sum(4 * nh * hd * (L * (L + 1) / 2 + i * L) for i in range(K)),
         "draft_lm_head": 3 * 2 * H * Vd * sum(counted),
         "fc": 2 * 2 * (3 * Ht) * H * T,
         "teacher": 2 * Ht * V * T,
@@ -85,27 +86,38 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((p for key, p in PEAK_BF16 if key in name), None)
 
 
-def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator):
-    """One packed row with one sample: what common.train.data hands the trainer (bf16 states)."""
+def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator, samples: int = 1, dtype=torch.bfloat16):
+    """One packed row of `samples` samples of seq_len / samples tokens (position ids restart per sample): what
+    common.train.data hands the trainer (states in the compute dtype)."""
+    from common.train.data import MicroBatch
+
     H, V = spec["hidden"], spec["vocab"]
-    aux = torch.randn(seq_len, 3 * H, generator=gen, device=device, dtype=torch.bfloat16)
-    final = torch.randn(seq_len, H, generator=gen, device=device, dtype=torch.bfloat16)
+    if seq_len % samples:
+        raise SystemExit(f"--seq-len {seq_len} is not a multiple of --samples {samples}")
+    n = seq_len // samples
+    aux = torch.randn(seq_len, 3 * H, generator=gen, device=device).to(dtype)
+    final = torch.randn(seq_len, H, generator=gen, device=device).to(dtype)
     ids = torch.randint(0, V, (seq_len,), generator=gen, device=device)
-    mask = torch.ones(seq_len, dtype=torch.uint8, device=device)
-    mask[: seq_len // 10] = 0  # a prompt part without loss
-    return aux, ids, final, mask, torch.arange(seq_len, device=device), [seq_len]
+    mask = torch.ones(seq_len, dtype=torch.long, device=device)
+    for s in range(samples):
+        mask[s * n: s * n + n // 10] = 0  # a prompt part without loss
+    positions = torch.arange(n, device=device).repeat(samples)
+    return MicroBatch(ids, mask, aux, final, positions, [n] * samples, [f"synthetic-{s}" for s in range(samples)])
 
 
-def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_checkpointing: bool, attention: str):
-    """The draft as 04 builds it (fp32 master weights, frozen embedding, vocab map), the bf16 teacher
-    lm_head, and 04's AdamW (two groups, foreach on GPU)."""
+def build_step(spec: dict, device, gen: torch.Generator, *, ttt_steps: int = 7, attention: str = "auto",
+               gradient_checkpointing: bool = False, compile: bool | None = None, dtype=torch.bfloat16, max_len: int = 4096):
+    """04's training step (common.train.step.TrainStep) over a draft of these sizes, built as 04 builds it: fp32
+    master weights, frozen embedding, a vocab map, the bf16 teacher lm_head, 04's AdamW (foreach on GPU), the
+    attention and torch.compile resolved as 04 resolves them. Returns (step, trainable params)."""
     from common.model.draft import DraftModelConfig, Eagle3DraftModel
     from common.train.optim import build_optimizer
+    from common.train.step import StepSettings, TrainStep, resolve_attention, resolve_compile
 
     H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
     cfg = DraftModelConfig(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
                            num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"], num_hidden_layers=1,
-                           max_position_embeddings=max(4096, seq_len + 16), vocab_size=V, draft_vocab_size=Vd,
+                           max_position_embeddings=max(4096, max_len + 16), vocab_size=V, draft_vocab_size=Vd,
                            target_hidden_size=H, aux_layer_ids=[2, 30, 58], rope_theta=500000.0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -115,40 +127,39 @@ def build(spec: dict, device, seq_len: int, gen: torch.Generator, gradient_check
     t2d[draft_ids] = True
     draft.set_vocab_map(draft_ids - torch.arange(Vd), t2d)
     draft.gradient_checkpointing = gradient_checkpointing
-    draft.attention_impl = attention
-    lm_head = torch.randn(V, H, generator=gen, device=device, dtype=torch.bfloat16) * H ** -0.5
-    optimizer = build_optimizer(draft, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=device.type == "cuda")
-    return draft, lm_head, optimizer, sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    draft.attention_impl, draft.attention_why = resolve_attention(attention, cfg, device)
+    lm_head = (torch.randn(V, H, generator=gen, device=device) * H ** -0.5).to(dtype)
+    compile_on, _ = resolve_compile(compile, device)
+    settings = StepSettings(ttt_steps=ttt_steps, loss_decay=0.8, grad_clip=0.5, dtype=dtype, compile=compile_on)
+    adamw = lambda m: build_optimizer(m, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=device.type == "cuda")  # noqa: E731
+    return TrainStep(draft, lm_head, adamw, settings), sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
 
 def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
-    from common.model.ttt import ttt_loss
-
     gen = torch.Generator(device=device).manual_seed(0)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t_build = time.perf_counter()
-    draft, lm_head, optimizer, n_params = build(spec, device, seq_len, gen, args.gradient_checkpointing, args.attention)
-    batch = synthetic_batch(spec, seq_len, device, gen)
+    step_fn, n_params = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention=args.attention,
+                                   gradient_checkpointing=args.gradient_checkpointing, compile=args.compile,
+                                   dtype=args.dtype, max_len=seq_len)
+    batch = synthetic_batch(spec, seq_len, device, gen, args.samples, args.dtype)
     build_s = time.perf_counter() - t_build
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    params = [p for p in draft.parameters() if p.requires_grad]
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            out = ttt_loss(draft, *batch, lm_head, args.ttt_steps, 0.8)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        optimizer.step()
-        return out
+        result = step_fn.run([(batch, True)], 1, denominator=None)
+        return result.outputs[0][0]
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(args.warmup):
+    t_first = time.perf_counter()
+    out = step()  # the first step compiles (torch.compile, flex_attention)
+    sync()
+    first_s = time.perf_counter() - t_first
+    for _ in range(args.warmup - 1):
         out = step()
     sync()
     times = []
@@ -158,54 +169,78 @@ def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     step_s = sorted(times)[len(times) // 2]  # median: robust to a stray slow step
-    flops = step_flops(spec, seq_len, args.ttt_steps, out.step_counts)
+    flops = step_flops(spec, seq_len // args.samples, args.samples, args.ttt_steps, out.step_counts)
     peak = peak_flops(device, args.peak_tflops)
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process high-water mark (RSS)
-    # 04's memory planner for the same step (common/train/memory_plan.py): its GPU-only terms (autocast copies,
+    # 04's memory planner for the same step (common/train/memory_plan.py): its GPU-only terms (the compute copy,
     # foreach temporaries) are checked here and nowhere else; the bench's embedding stays fp32
     from types import SimpleNamespace
 
     from common.train.memory_plan import plan_memory
 
     settings = SimpleNamespace(batch_max_tokens=seq_len, ttt_steps=args.ttt_steps, grad_accum=1, parallel="ddp",
-                               gradient_checkpointing=args.gradient_checkpointing, precision="bf16")
-    planned = plan_memory(draft.config, settings, world_size=1, device_type=device.type, embed_bf16=False,
-                          max_sample_len=seq_len).peak
+                               gradient_checkpointing=args.gradient_checkpointing,
+                               precision="bf16" if args.dtype == torch.bfloat16 else "fp32")
+    planned = plan_memory(step_fn.draft.config, settings, world_size=1, device_type=device.type, embed_bf16=False,
+                          max_sample_len=seq_len // args.samples).peak
     result = {
-        "config": name, **spec, "seq_len": seq_len, "ttt_steps": args.ttt_steps, "attention": args.attention,
+        "config": name, **spec, "seq_len": seq_len, "samples": args.samples, "ttt_steps": args.ttt_steps,
+        "attention": step_fn.draft.attention_impl, "attention_why": step_fn.draft.attention_why,
+        "compile": step_fn.s.compile, "precision": step_fn.describe_precision(),
         "planned_peak_memory_gb": planned / 1e9, "planned_over_measured": planned / peak_mem if peak_mem else None,
         "gradient_checkpointing": args.gradient_checkpointing, "trainable_params": n_params,
-        "step_s_median": step_s, "step_s_all": times, "tokens_per_s": seq_len / step_s,
+        "first_step_s": first_s, "step_s_median": step_s, "step_s_all": times, "tokens_per_s": seq_len / step_s,
         "flops_per_step": flops["total"], "flops_breakdown": flops, "achieved_tflops": flops["total"] / step_s / 1e12,
         "mfu": flops["total"] / step_s / peak if peak else None, "peak_tflops": peak / 1e12 if peak else None,
         "peak_memory_gb": peak_mem / 1e9, "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "RSS",
         "build_s": build_s, "loss": float(out.loss.detach()), "step_counts": out.step_counts,
     }
-    del draft, lm_head, optimizer, batch, out
+    del step_fn, batch, out
     return result
 
 
-def check_flop_formula() -> str:
-    """--smoke: the formula against torch's FLOP counter on one CPU step (no checkpointing, naive
-    attention, whose dense masked scores are counted in full), so the non-attention terms must match exactly."""
-    from torch.utils.flop_counter import FlopCounterMode
+def count_ops(args, device) -> dict:
+    """--count-ops: aten ops dispatched by one optimizer step (after a warm-up step) at the bench layout, eager
+    and at small widths (the count does not depend on the widths), by phase and by op; and the graph breaks of
+    the compiled regions (torch._dynamo.explain over a decoder layer's two dense halves)."""
+    from common.train.step import count_dispatched_ops, explain_regions
 
-    from common.model.ttt import ttt_loss
+    spec = CONFIGS["smoke-a"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    report = {"layout": f"{args.samples} x {args.seq_len // args.samples} tokens, ttt_steps {args.ttt_steps}"}
+    for dtype in (torch.float32, torch.bfloat16):
+        step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=False,
+                                dtype=dtype, max_len=args.seq_len)
+        batch = synthetic_batch(spec, args.seq_len, device, gen, args.samples, dtype)
+        step_fn.run([(batch, True)], 1, denominator=None)  # warm-up: AdamW's state, lazy buffers
+        total, by_op = count_dispatched_ops(lambda: step_fn.run([(batch, True)], 1, denominator=None))
+        report[str(dtype).replace("torch.", "")] = {"ops": total, "top": dict(by_op.most_common(12))}
+    step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=False,
+                            max_len=args.seq_len)
+    report["graph_breaks"] = explain_regions(step_fn.compute, synthetic_batch(spec, args.seq_len, device, gen, args.samples))
+    return report
+
+
+def check_flop_formula() -> str:
+    """--smoke: the formula against torch's FLOP counter on one CPU step in fp32 (naive attention, whose dense
+    masked scores are counted in full; the fused lm_head + loss recomputes its logits in backward, one more
+    2*H*V_d per counted position than the model FLOPs), so every other term must match exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
 
     spec, T, K = CONFIGS["smoke-a"], 96, 3
     gen = torch.Generator().manual_seed(0)
-    draft, lm_head, _, _ = build(spec, torch.device("cpu"), T, gen, False, "naive")
-    draft.attn_checkpoint_chunks = False
-    batch = synthetic_batch(spec, T, torch.device("cpu"), gen)
+    step_fn, _ = build_step(spec, torch.device("cpu"), gen, ttt_steps=K, attention="naive", dtype=torch.float32)
+    batch = synthetic_batch(spec, T, torch.device("cpu"), gen, dtype=torch.float32)
     with FlopCounterMode(display=False) as counter:
-        out = ttt_loss(draft, *batch, lm_head.float(), K, 0.8, checkpoint_chunks=False)
+        out = step_fn.loss(batch)
         out.loss.backward()
-    f = step_flops(spec, T, K, out.step_counts)
+    f = step_flops(spec, T, 1, K, out.step_counts)
     dense_attention = 3 * sum(4 * spec["heads"] * spec["head_dim"] * T * (i + 1) * T for i in range(K))
-    expected = f["total"] - f["attention"] + dense_attention
+    recomputed_logits = 2 * spec["hidden"] * spec["draft_vocab"] * sum(out.step_counts)
+    expected = f["total"] - f["attention"] + dense_attention + recomputed_logits
     counted = counter.get_total_flops()
     if counted != expected:
         raise SystemExit(f"FLOP formula mismatch: torch counts {counted}, the formula gives {expected}")
@@ -220,13 +255,28 @@ def main() -> None:
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per config (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--attention", default="chunked", choices=["chunked", "flex", "naive"])
+    parser.add_argument("--samples", type=int, default=1, help="samples packed per row (seq_len / samples tokens each)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "chunked", "flex", "naive"],
+                        help="as train.attention_impl: auto = flex where it checks out on this GPU, else chunked")
+    parser.add_argument("--compile", type=lambda v: {"on": True, "off": False, "auto": None}[v], default=None,
+                        metavar="{on,off,auto}", help="torch.compile the layers' dense parts (auto: on CUDA)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count the aten ops one optimizer step dispatches (eager, CPU or GPU) and the compiled "
+                             "regions' graph breaks, at --seq-len (default 2048) = --samples (default 4) x 512")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--peak-tflops", type=float, help="device peak dense bf16 TFLOP/s, if not in the built-in table")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    if args.count_ops:
+        args.seq_len = (args.seq_lens or [2048])[0]
+        args.samples = args.samples if args.samples > 1 else 4
+        report = count_ops(args, device)
+        print(json.dumps(report, indent=2))
+        return
     if device.type != "cuda" and not args.smoke:
         sys.exit("no CUDA device: run with --smoke on CPU (tiny sizes), or on a GPU machine")
     configs = args.configs or (["smoke-a", "smoke-b"] if args.smoke else ["llama8b", "kimi"])

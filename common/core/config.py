@@ -185,7 +185,9 @@ class TrainConfig:
     grad_clip: Annotated[float, NonNegative] = 0.5  # 0 = no clipping
     batch_max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 8192  # tokens per micro-batch per process
     grad_accum: Annotated[int, Range(ge=1, le=2**16)] = 1
-    gradient_checkpointing: bool = False
+    # recompute each TTT step's layers in backward: null = only when 04's memory planner says the step does not
+    # fit without (docs/design.md#memory-planner-04; no check on CPU without train.gpu_memory_gb: off)
+    gradient_checkpointing: Optional[bool] = None
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
     checkpoint_every: Annotated[int, Positive] = 500
     keep_checkpoints: Annotated[int, Range(ge=1, le=10000)] = 3
@@ -194,7 +196,10 @@ class TrainConfig:
     seed: Annotated[int, Seed] = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"
     num_workers: Annotated[int, Range(ge=0, le=1024)] = 0  # background threads reading the next micro-batches from the shards
-    attention_impl: Literal["chunked", "flex", "naive"] = "chunked"  # TTT attention: chunked (exact, low memory) | flex (CUDA, compiled) | naive (reference)
+    # TTT attention: auto (flex on a GPU where its backward runs and agrees with chunked, checked at the start;
+    # else chunked) | chunked (exact, low memory, any device) | flex (CUDA, compiled) | naive (reference)
+    attention_impl: Literal["auto", "chunked", "flex", "naive"] = "auto"
+    compile: Optional[bool] = None  # torch.compile the decoder layers' dense parts; null = on CUDA, off on CPU
     init_lm_head: Literal["random", "target"] = "random"  # target: the target's lm_head rows of the draft vocab
     # the loss's denominator: step-0 positions with a loss (counted) or every token of the step, as the
     # official EAGLE-3 code's mean over all positions (all_tokens)

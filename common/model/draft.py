@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from common.core.errors import ConfigError, DataError
 
 OFFICIAL_ARCHITECTURE = "LlamaForCausalLMEagle3"
+ATTN_SCORES_BYTES = 1 << 30  # fp32 scores of one chunk batch of the chunked attention, all heads (1 GiB)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +345,11 @@ class PackedLayout:
         return self.offset + 2 + step <= self.length - 1
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 for softmax-grade arithmetic; float64 stays float64 (the exactness tests run in it)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def squeeze_row(x: torch.Tensor, dims: int) -> torch.Tensor:
     """Accept [T, ...] or a batch of one row [1, T, ...]."""
     if x.dim() == dims + 1:
@@ -360,67 +366,220 @@ def squeeze_row(x: torch.Tensor, dims: int) -> torch.Tensor:
 
 @dataclass
 class AttentionMeta:
+    """What every attention call of one micro-batch shares: the layout and, built once on first use and
+    reused by every TTT step and layer, the chunk batches (chunked) or the block masks (flex)."""
+
     layout: PackedLayout
     chunk_size: int = 512
-    checkpoint_chunks: bool = True
     impl: str = "chunked"
-    block_masks: dict = field(default_factory=dict)  # flex: one block mask per step count
+    block_masks: dict = field(default_factory=dict)  # flex: one block mask per number of steps
+    pairs_budget: int = 1 << 22  # query-key pairs per chunk batch (its fp32 scores: heads x pairs x 4 B)
+    _plan: "ChunkPlan | None" = None
+
+    def chunk_plan(self, device) -> "ChunkPlan":
+        if self._plan is None:
+            self._plan = plan_chunks(self.layout, self.chunk_size, self.pairs_budget, device)
+        return self._plan
 
 
-def _attend_chunk(q, k0, v0, q_sample, k_sample, q_index, k_index, *diag):
-    """Exact TTT attention for one query chunk.
+@dataclass
+class ChunkBatch:
+    """n query chunks padded to C queries and S keys each, attended in one batched computation."""
 
-    q [C, nh, d]; k0/v0 [S, nkv, d] step-0 keys of the rows [k_index[0], ...]; diag = (k_1..k_i,
-    v_1..v_i) each [C, nkv, d] at the query's own index. Returns [C, nh, d].
+    queries: torch.Tensor  # [n * C] row of each query (the last chunk's padding repeats its last row; dropped)
+    keys: torch.Tensor  # [n * S] row of each padded step-0 key
+    bias: torch.Tensor  # [n, C, S] fp32: 0 where the query may see the key (same sample, key <= query), else -inf
+    query_weight: torch.Tensor | None  # [n * C] 1.0 for a real query, 0.0 for padding (None: no padding)
+    whole_rows: bool = False  # queries and keys are rows 0..T-1 in order (equal whole samples): no gathers
+
+    def rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x if self.whole_rows else x.index_select(0, index)
+
+    def add_rows(self, total: torch.Tensor, index: torch.Tensor, part: torch.Tensor) -> None:
+        if self.whole_rows:
+            total.add_(part.to(total.dtype))
+        else:
+            total.index_add_(0, index, part.to(total.dtype))
+
+
+@dataclass
+class ChunkPlan:
+    batches: list[ChunkBatch]  # in row order; only the last chunk is padded
+    num_tokens: int
+
+    def to_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The batches' outputs, concatenated, as [T, ...]: the last chunk's padding dropped."""
+        return out if out.shape[0] == self.num_tokens else out[: self.num_tokens]
+
+
+def query_chunks(layout: PackedLayout, chunk_size: int) -> list[tuple[int, int, int]]:
+    """(start, stop, key_start) per chunk: rows [start, stop) of chunk_size queries (the last one shorter), seeing
+    the step-0 keys from the start of the sample of their first row, key_start, up to stop - 1."""
+    starts = layout.starts
+    return [(a, min(a + chunk_size, layout.num_tokens), starts[bisect.bisect_right(starts, a) - 1])
+            for a in range(0, layout.num_tokens, chunk_size)]
+
+
+def plan_chunks(layout: PackedLayout, chunk_size: int, pairs_budget: int, device) -> ChunkPlan:
+    """The chunks (query_chunks) grouped, in row order, into batches of at most pairs_budget padded query-key
+    pairs (at least one chunk each): a fixed handful of batched ops per step and batch, whatever the samples."""
+    chunks = query_chunks(layout, chunk_size)
+    C = chunks[0][1] - chunks[0][0]
+    groups, group = [], []
+    for c in chunks:
+        trial = group + [c]
+        if group and len(trial) * C * max(b - lo for _, b, lo in trial) > pairs_budget:
+            groups.append(group)
+            trial = [c]
+        group = trial
+    groups.append(group)
+    batches, sample, T = [], layout.sample.cpu(), layout.num_tokens
+    for group in groups:
+        n, S = len(group), max(b - lo for _, b, lo in group)
+        queries = torch.tensor([min(a + j, b - 1) for a, b, _ in group for j in range(C)], dtype=torch.long)
+        keys = torch.tensor([min(lo + j, b - 1) for _, b, lo in group for j in range(S)], dtype=torch.long)
+        q_real = torch.tensor([a + j < b for a, b, _ in group for j in range(C)]).view(n, C)
+        k_real = torch.tensor([lo + j < b for _, b, lo in group for j in range(S)]).view(n, S)
+        qi, ki = queries.view(n, C), keys.view(n, S)
+        allowed = (sample[qi][:, :, None] == sample[ki][:, None, :]) & (ki[:, None, :] <= qi[:, :, None])
+        allowed &= q_real[:, :, None] & k_real[:, None, :]
+        allowed[:, :, 0] |= ~q_real  # a padded query sees one key: a finite softmax, its output is dropped
+        bias = torch.zeros(n, C, S).masked_fill_(~allowed, float("-inf"))
+        in_order = torch.arange(T)
+        whole = len(groups) == 1 and torch.equal(queries, in_order) and torch.equal(keys, in_order)
+        weight = None if bool(q_real.all()) else q_real.flatten().float().to(device)
+        batches.append(ChunkBatch(queries.to(device), keys.to(device), bias.to(device), weight, whole))
+    return ChunkPlan(batches, T)
+
+
+class TTTAttention(torch.autograd.Function):
+    """Exact TTT attention of one step's queries, with a hand-written backward (FlashAttention's algebra in
+    PyTorch ops, per chunk batch): forward keeps q, the keys and values, the output and each row's log-sum-exp;
+    backward recomputes a chunk batch's probabilities from them. So no [heads, C, S] probabilities are kept
+    between forward and backward (nothing to checkpoint) and a step dispatches a fixed, small number of ops
+    per chunk batch, whatever the step. Scores, softmax and the probabilities' gradients are fp32; the
+    matmuls run in the inputs' dtype (bf16 on GPU).
+
+    apply(plan, q, k_0, v_0, k_1..k_i, v_1..v_i): q [T, nh, d]; k_j/v_j [T, nkv, d] (step j's keys after
+    RoPE); a query at row t sees the step-0 keys of its sample up to t, and k_1..k_i at row t only.
     """
-    C, nh, d = q.shape
-    S, nkv, _ = k0.shape
-    g = nh // nkv
+
+    @staticmethod
+    def forward(ctx, plan: "ChunkPlan", q, k0, v0, *diag):
+        outs, lses = [], []
+        for cb in plan.batches:
+            out, lse = _attend_forward(cb, q, k0, v0, diag)
+            outs.append(out)
+            lses.append(lse)
+        out = plan.to_rows(torch.cat(outs) if len(outs) > 1 else outs[0])
+        ctx.plan = plan
+        ctx.save_for_backward(q, k0, v0, out, *lses, *diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan = ctx.plan
+        q, k0, v0, out, *rest = ctx.saved_tensors
+        lses, diag = rest[:len(plan.batches)], rest[len(plan.batches):]
+        n_diag = len(diag) // 2
+        # D = rowsum(dO * O), the softmax's backward term shared by every key of a query row
+        delta = (_wide(grad_out) * _wide(out)).sum(dim=-1)  # [T, nh]
+        grad_out = grad_out.to(q.dtype)
+        dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        d_diag = [torch.zeros_like(x) for x in diag]
+        for cb, lse in zip(plan.batches, lses):
+            _attend_backward(cb, q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag)
+        return (None, dq, dk0, dv0, *d_diag[:n_diag], *d_diag[n_diag:])
+
+
+def _batch_inputs(cb: "ChunkBatch", q, k0, v0, diag):
+    """The chunk batch's queries [n, C, nkv, g, d], keys and values [n, S, nkv, d], and the diag keys
+    [n*C, nkv, d, i] and values [n*C, nkv, i, d] at the queries' rows (fp32)."""
+    n, C, S = cb.bias.shape
+    nh, d = q.shape[1:]
+    nkv = k0.shape[1]
+    qb = cb.rows(q, cb.queries).view(n, C, nkv, nh // nkv, d)
+    kb = cb.rows(k0, cb.keys).view(n, S, nkv, d)
+    vb = cb.rows(v0, cb.keys).view(n, S, nkv, d)
     n_diag = len(diag) // 2
+    kd = vd = None
+    if n_diag:
+        kd = _wide(cb.rows(torch.stack(diag[:n_diag], dim=-1), cb.queries))  # [n*C, nkv, d, i]
+        vd = _wide(cb.rows(torch.stack(diag[n_diag:], dim=2), cb.queries))  # [n*C, nkv, i, d]
+    return qb, kb, vb, kd, vd
+
+
+def _probabilities(cb: "ChunkBatch", qb, kb, kd, lse=None):
+    """Softmax probabilities of the chunk batch: step-0 keys [n, nkv, g, C, S] and diag keys [n*C, nkv, g, i]
+    (None without diag), and the log-sum-exp [n, nkv, g, C] (given: from forward, in backward)."""
+    n, C, S = cb.bias.shape
+    _, _, nkv, g, d = qb.shape
     scale = d**-0.5
-    # GQA without repeating K: fold the g query heads of each kv head into the row dimension.
-    qg = q.view(C, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * C, d)
-    s0 = torch.matmul(qg, k0.permute(1, 2, 0)).float().mul_(scale).view(nkv, g, C, S)
-    allowed = (q_sample[:, None] == k_sample[None, :]) & (k_index[None, :] <= q_index[:, None])
-    s0 = s0.masked_fill_(~allowed, float("-inf"))
-    qf = q.float().view(C, nkv, g, d)
-    scores = [s0]
-    for j in range(n_diag):
-        kj = diag[j].float().view(C, nkv, 1, d)
-        scores.append(((qf * kj).sum(-1) * scale).permute(1, 2, 0).unsqueeze(-1))  # [nkv, g, C, 1]
-    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-    out = torch.matmul(p[..., :S].reshape(nkv, g * C, S).to(v0.dtype), v0.permute(1, 0, 2)).float()
-    out = out.view(nkv, g, C, d)
-    for j in range(n_diag):
-        vj = diag[n_diag + j].float().view(C, nkv, d).permute(1, 0, 2).unsqueeze(1)  # [nkv, 1, C, d]
-        out = out + p[..., S + j : S + j + 1] * vj
-    return out.permute(2, 0, 1, 3).reshape(C, nh, d).to(q.dtype)
+    qh = qb.permute(0, 2, 3, 1, 4).reshape(n, nkv, g * C, d)
+    scores = _wide(torch.matmul(qh, kb.permute(0, 2, 3, 1))).view(n, nkv, g, C, S).mul_(scale).add_(cb.bias[:, None, None])
+    diag_scores = None
+    if kd is not None:
+        diag_scores = torch.matmul(_wide(qb).view(n * C, nkv, g, d), kd).mul_(scale)  # [n*C, nkv, g, i]
+    if lse is None:
+        lse = scores.logsumexp(dim=-1)
+        if diag_scores is not None:  # fold in the diag keys: log(exp(lse) + sum exp(diag))
+            lse = torch.logaddexp(lse, diag_scores.logsumexp(dim=-1).view(n, C, nkv, g).permute(0, 2, 3, 1))
+    p = scores.sub_(lse[..., None]).exp_()
+    p_diag = None
+    if diag_scores is not None:
+        p_diag = diag_scores.sub_(lse.permute(0, 3, 1, 2).reshape(n * C, nkv, g)[..., None]).exp_()
+    return p, p_diag, lse
+
+
+def _attend_forward(cb: "ChunkBatch", q, k0, v0, diag):
+    n, C, S = cb.bias.shape
+    qb, kb, vb, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
+    _, _, nkv, g, d = qb.shape
+    p, p_diag, lse = _probabilities(cb, qb, kb, kd)
+    out = _wide(torch.matmul(p.view(n, nkv, g * C, S).to(vb.dtype), vb.permute(0, 2, 1, 3)))
+    out = out.view(n, nkv, g, C, d).permute(0, 3, 1, 2, 4)  # [n, C, nkv, g, d]
+    if p_diag is not None:
+        out = out + torch.matmul(p_diag, vd).view(n, C, nkv, g, d)
+    return out.reshape(n * C, nkv * g, d).to(q.dtype), lse
+
+
+def _attend_backward(cb: "ChunkBatch", q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag):
+    """Adds the chunk batch's gradients into dq, dk0, dv0 and d_diag (index_add: key rows repeat across chunks)."""
+    n, C, S = cb.bias.shape
+    qb, kb, vb, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
+    _, _, nkv, g, d = qb.shape
+    scale = d**-0.5
+    p, p_diag, _ = _probabilities(cb, qb, kb, kd, lse)
+    do = cb.rows(grad_out, cb.queries)  # [n*C, nh, d]
+    dlt = cb.rows(delta, cb.queries)
+    if cb.query_weight is not None:  # padded query rows repeat a real row: their gradient must not count
+        do = do * cb.query_weight[:, None, None].to(do.dtype)
+        dlt = dlt * cb.query_weight[:, None]
+    dlt = dlt.view(n, C, nkv, g)
+    do_h = do.view(n, C, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, nkv, g * C, d)
+    # step-0 keys: dV = P^T dO; dS = P * (dO V^T - D); dQ = dS K; dK = dS^T Q (the g query heads of a kv head summed)
+    dv_b = torch.matmul(p.view(n, nkv, g * C, S).transpose(2, 3).to(do.dtype), do_h)  # [n, nkv, S, d]
+    dp = _wide(torch.matmul(do_h, vb.permute(0, 2, 3, 1))).view(n, nkv, g, C, S)
+    ds = dp.sub_(dlt.permute(0, 2, 3, 1)[..., None]).mul_(p).mul_(scale).view(n, nkv, g * C, S).to(q.dtype)
+    dq_b = _wide(torch.matmul(ds, kb.permute(0, 2, 1, 3))).view(n, nkv, g, C, d).permute(0, 3, 1, 2, 4)
+    dk_b = torch.matmul(ds.transpose(2, 3), qb.permute(0, 2, 3, 1, 4).reshape(n, nkv, g * C, d))  # [n, nkv, S, d]
+    if p_diag is not None:
+        do_f = _wide(do).view(n * C, nkv, g, d)
+        ds_diag = torch.matmul(do_f, vd.transpose(2, 3)).sub_(dlt.reshape(n * C, nkv, g)[..., None]).mul_(p_diag).mul_(scale)
+        dq_b = dq_b + torch.matmul(ds_diag, kd.transpose(2, 3)).view(n, C, nkv, g, d)
+        dk_diag = torch.matmul(ds_diag.transpose(2, 3), _wide(qb).view(n * C, nkv, g, d))  # [n*C, nkv, i, d]
+        dv_diag = torch.matmul(p_diag.transpose(2, 3), do_f)  # [n*C, nkv, i, d]
+        for j in range(len(d_diag) // 2):
+            cb.add_rows(d_diag[j], cb.queries, dk_diag[:, :, j])
+            cb.add_rows(d_diag[len(d_diag) // 2 + j], cb.queries, dv_diag[:, :, j])
+    cb.add_rows(dq, cb.queries, dq_b.reshape(n * C, nkv * g, d))
+    cb.add_rows(dk0, cb.keys, dk_b.permute(0, 2, 1, 3).reshape(n * S, nkv, d))
+    cb.add_rows(dv0, cb.keys, dv_b.permute(0, 2, 1, 3).reshape(n * S, nkv, d))
 
 
 def chunked_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:
     """q [T, nh, d] of step i = len(ks) - 1; ks/vs: per-step keys/values [T, nkv, d] (after RoPE)."""
-    layout = meta.layout
-    T = q.shape[0]
-    index = torch.arange(T, device=q.device)
-    use_ckpt = meta.checkpoint_chunks and torch.is_grad_enabled() and (
-        q.requires_grad or ks[0].requires_grad or vs[0].requires_grad
-    )
-    outs = []
-    for a in range(0, T, meta.chunk_size):
-        b = min(a + meta.chunk_size, T)
-        lo = _sample_start_of(layout, a)
-        args = (q[a:b], ks[0][lo:b], vs[0][lo:b], layout.sample[a:b], layout.sample[lo:b], index[a:b], index[lo:b],
-                *[k[a:b] for k in ks[1:]], *[v[a:b] for v in vs[1:]])
-        if use_ckpt:
-            outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
-        else:
-            outs.append(_attend_chunk(*args))
-    return torch.cat(outs, dim=0)
-
-
-def _sample_start_of(layout: PackedLayout, row: int) -> int:
-    """First row a query at `row` may attend to: the start of its sample (python ints, no device sync)."""
-    return layout.starts[bisect.bisect_right(layout.starts, row) - 1]
+    return TTTAttention.apply(meta.chunk_plan(q.device), q, ks[0], vs[0], *ks[1:], *vs[1:])
 
 
 def build_ttt_mask(seq_lens, steps: int, device=None) -> torch.Tensor:
@@ -453,9 +612,9 @@ def naive_ttt_attention(q, ks, vs, meta_or_seq_lens) -> torch.Tensor:
     g = nh // k.shape[1]
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) / math.sqrt(d)
+    scores = torch.einsum("thd,shd->hts", _wide(q), _wide(k)) / math.sqrt(d)
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("hts,shd->thd", p, v.float()).to(q.dtype)
+    return torch.einsum("hts,shd->thd", p, _wide(v)).to(q.dtype)
 
 
 def flex_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:
@@ -519,10 +678,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalised in fp32 (one fused kernel on CUDA), scaled in the input's dtype
+        return self.weight * F.rms_norm(_wide(x), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -540,6 +697,8 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling == 1.0:
+            return emb.cos(), emb.sin()
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
@@ -566,14 +725,15 @@ def _rope_parameters(config: DraftModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d] fp32."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+    """x [T, heads, d]; cos/sin [T, 1, d] fp32 (RotaryEmbedding's [T, d], broadcast over the heads)."""
+    xf = _wide(x)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
+    """The attention's projections (state-dict names self_attn.{q,k,v,o}_proj); DecoderLayer runs them."""
+
     def __init__(self, config: DraftModelConfig, input_size: int):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -583,14 +743,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, cache_k, cache_v, meta: AttentionMeta):
-        T = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        out = ATTENTION_IMPLS[meta.impl](q, [*cache_k, k], [*cache_v, v], meta)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), k, v
 
 
 class MLP(nn.Module):
@@ -621,6 +773,15 @@ class DecoderLayer(nn.Module):
             self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
 
     def forward(self, hidden, embeds, cos, sin, cache_k, cache_v, meta):
+        q, k, v, residual = self.pre_attention(hidden, embeds, cos, sin)
+        attn = ATTENTION_IMPLS[meta.impl](q, [*cache_k, k], [*cache_v, v], meta)
+        return self.post_attention(attn, residual), k, v
+
+    # The two dense halves around the attention: what compile_regions compiles (the attention itself works on
+    # the micro-batch's chunk plan or block mask, which change with every micro-batch).
+
+    def pre_attention(self, hidden, embeds, cos, sin):
+        """Norms, q/k/v projections and RoPE: (q [T, nh, d], k, v [T, nkv, d], the residual)."""
         if self.first:
             normed_hidden = self.hidden_norm(hidden)
             residual = normed_hidden if self.norm_before_residual else hidden
@@ -628,10 +789,21 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden
             x = self.input_layernorm(hidden)
-        attn, k, v = self.self_attn(x, cos, sin, cache_k, cache_v, meta)
-        h = residual + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, k, v
+        a, T = self.self_attn, x.shape[0]
+        q = apply_rope(a.q_proj(x).view(T, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rope(a.k_proj(x).view(T, a.num_kv_heads, a.head_dim), cos, sin)
+        v = a.v_proj(x).view(T, a.num_kv_heads, a.head_dim)
+        return q, k, v, residual
+
+    def post_attention(self, attn, residual):
+        """o_proj, the residual, the MLP: the layer's output h [T, H]."""
+        h = residual + self.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """torch.compile the two dense halves (fullgraph: a graph break is an error; dynamic in T)."""
+        self.pre_attention = torch.compile(self.pre_attention, fullgraph=True, dynamic=True, backend=backend)
+        self.post_attention = torch.compile(self.post_attention, fullgraph=True, dynamic=True, backend=backend)
 
 
 class Eagle3DraftModel(nn.Module):
@@ -657,8 +829,7 @@ class Eagle3DraftModel(nn.Module):
 
         self.gradient_checkpointing = False  # checkpoint each (TTT step, layer) call
         self.attention_impl = "chunked"  # chunked | flex | naive
-        self.attn_chunk_size = 512  # queries per attention chunk (transient memory ~ 4 x heads x chunk x sample_len x 4 B)
-        self.attn_checkpoint_chunks = True  # recompute chunk scores in backward instead of storing them
+        self.attn_chunk_size = 512  # queries per attention chunk (chunked: a sample longer than this is cut)
         self.reset_parameters()
 
     # -- setup -------------------------------------------------------------------------------
@@ -746,8 +917,8 @@ class Eagle3DraftModel(nn.Module):
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl '{self.attention_impl}' is unknown; use one of {sorted(ATTENTION_IMPLS)}")
         layout = PackedLayout.build(seq_lens, T, input_ids.device)
-        meta = AttentionMeta(layout, chunk_size=self.attn_chunk_size,
-                             checkpoint_chunks=self.attn_checkpoint_chunks, impl=self.attention_impl)
+        meta = AttentionMeta(layout, chunk_size=self.attn_chunk_size, impl=self.attention_impl,
+                             pairs_budget=ATTN_SCORES_BYTES // (4 * self.config.num_attention_heads))
         layers = self.decoder_layers
         caches = [([], []) for _ in layers]
         hidden = self.combine_aux(aux_hidden)
@@ -756,7 +927,7 @@ class Eagle3DraftModel(nn.Module):
             idx, inside = layout.shifted(1 + step)
             tokens = torch.where(inside, input_ids[idx], torch.zeros_like(input_ids))
             embeds = self.embed_tokens(tokens)
-            cos, sin = self.rotary(position_ids + step)
+            cos, sin = (x[:, None, :] for x in self.rotary(position_ids + step))  # [T, 1, d]: shared by q, k, layers
             h = hidden
             for layer, (cache_k, cache_v) in zip(layers, caches):
                 e = embeds if layer.first else None
@@ -786,6 +957,12 @@ class Eagle3DraftModel(nn.Module):
         if step_fn is None:
             return self.forward_ttt(aux_hidden, input_ids, position_ids, seq_lens, ttt_steps)
         return self.forward_ttt_hidden(aux_hidden, input_ids, position_ids, seq_lens, ttt_steps, step_fn=step_fn)
+
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """Regional torch.compile of every decoder layer (DecoderLayer.compile_regions); the step's other ops
+        (embedding, RoPE tables, attention, loss) stay eager."""
+        for layer in self.decoder_layers:
+            layer.compile_regions(backend)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

@@ -20,9 +20,9 @@ ids x back to back. For step i = 0..ttt_steps-1 and index t inside a sample of l
                      teacher-forced acceptance proxy at temperature 0.
 
 Memory: the teacher is built in token chunks (the full [T, V] target logits never exist; Kimi has
-V = 163840). Per step, only counted positions go through norm + lm_head, in chunks of
-`chunk_tokens` rows; each chunk is checkpointed, so the backward pass recomputes its [chunk, V_d]
-logits instead of keeping T x V_d logits of every step alive.
+V = 163840). Per step, only counted positions go through norm + lm_head, fused with the loss
+(SoftCrossEntropy) in chunks of `chunk_tokens` rows: no [rows, V_d] tensor outlives its chunk, and the
+backward pass recomputes each chunk's logits once instead of keeping T x V_d logits of every step alive.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from common.model.draft import PackedLayout, squeeze_row
+
+
+LOSS_CHUNK_ROWS = 4096  # rows per chunk of the fused lm_head + loss: [4096, V_d] fp32 (0.5 GB at V_d 32000)
 
 
 @torch.no_grad()
@@ -74,19 +76,69 @@ class TTTOutput:
     step_hits: Optional[torch.Tensor] = None  # [steps, T] bool: counted and correct at (step, t); with per_position
 
 
-def _chunk_step_loss(model, hidden, teacher_logp, teacher_rows, keep):
-    """Soft CE summed over the chunk's kept rows, and the draft argmax (draft ids). The teacher rows are
-    gathered here, inside the checkpoint: passed in gathered, each [rows, V_d] float32 copy would be kept
-    alive as a checkpoint input until backward (~13 GB per optimizer step at the Kimi-K2.5 config)."""
-    logits = model.compute_logits(hidden).float()
-    logq = torch.log_softmax(logits, dim=-1)
-    ce = -(teacher_logp[teacher_rows].exp() * logq).sum(dim=-1)
-    return (ce * keep).sum(), logits.argmax(dim=-1)
+class SoftCrossEntropy(torch.autograd.Function):
+    """Fused draft lm_head + soft cross-entropy against the teacher, in row chunks: sum_r w_r * CE_r with
+    CE_r = -sum_v p_rv log softmax(x_r W^T)_v, p_r = exp(teacher_logp[teacher_rows[r]]).
+
+    No [rows, V_d] tensor outlives its chunk: forward keeps only the inputs and each row's log-sum-exp;
+    backward recomputes a chunk's logits once and forms dlogits = q * sum(p) - p in place (the gradient
+    of the soft CE; sum(p) is 1 up to rounding), instead of autograd saving logits, log-softmax and
+    teacher rows per chunk. Also returns each row's draft argmax (no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, teacher_logp, teacher_rows, row_weight, chunk_rows: int):
+        # autocast does not reach backward: compute in its dtype explicitly, in both passes (a no-op cast
+        # when the weights are already in the compute dtype, as 04 keeps them)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
+        x, weight = x.to(dtype), weight.to(dtype)
+        R = x.shape[0]
+        lse = torch.empty(R, dtype=torch.float32, device=x.device)
+        argmax = torch.empty(R, dtype=torch.long, device=x.device)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        for a in range(0, R, chunk_rows):
+            b = min(a + chunk_rows, R)
+            logits = (x[a:b] @ weight.T).float()
+            argmax[a:b] = logits.argmax(dim=-1)
+            lse[a:b] = torch.logsumexp(logits, dim=-1)
+            p = teacher_logp[teacher_rows[a:b]].exp_()
+            # CE = sum_v p_v (lse - z_v)
+            ce = p.sum(dim=-1) * lse[a:b] - (p * logits).sum(dim=-1)
+            loss = loss + (ce * row_weight[a:b]).sum()
+        ctx.save_for_backward(x, weight, teacher_logp, teacher_rows, row_weight, lse)
+        ctx.chunk_rows = chunk_rows
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_argmax):
+        x, weight, teacher_logp, teacher_rows, row_weight, lse = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        for a in range(0, x.shape[0], ctx.chunk_rows):
+            b = min(a + ctx.chunk_rows, x.shape[0])
+            logits = (x[a:b] @ weight.T).float()
+            p = teacher_logp[teacher_rows[a:b]].exp_()
+            q = logits.sub_(lse[a:b, None]).exp_()
+            dlogits = q.mul_(p.sum(dim=-1, keepdim=True)).sub_(p).mul_((row_weight[a:b] * grad_loss)[:, None])
+            dlogits = dlogits.to(x.dtype)
+            if grad_x is not None:
+                grad_x[a:b] = dlogits @ weight
+            if grad_w is not None:
+                grad_w.add_(dlogits.T @ x[a:b])
+        return grad_x, grad_w, None, None, None, None
+
+
+def step_loss(model, hidden, rows, teacher_logp, teacher_rows, row_weight, chunk_rows: int):
+    """One TTT step's loss (sum over `rows` of row_weight * soft CE) and the draft's argmax (draft ids)
+    at those rows: the draft's final norm, then its lm_head fused with the loss."""
+    x = model.norm(hidden[rows])
+    return SoftCrossEntropy.apply(x, model.lm_head.weight, teacher_logp, teacher_rows, row_weight, chunk_rows)
 
 
 def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids, seq_lens, lm_head_weight,
              ttt_steps: int, decay: float, *, teacher=None, denominator: float | None = None,
-             chunk_tokens: int = 1024, checkpoint_chunks: bool = True, per_position: bool = False) -> TTTOutput:
+             chunk_tokens: int = LOSS_CHUNK_ROWS, per_position: bool = False) -> TTTOutput:
     """The TTT loss of one packed row (see the module docstring for the alignment).
 
     `model` may be a DDP/FSDP wrapper: the draft runs through `model(...)` and each step's loss is
@@ -94,6 +146,7 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
     `teacher_from_final_hidden` (then final_hidden / lm_head_weight are not used);
     `denominator` overrides the step-0 count (e.g. a global count over accumulation steps).
     `per_position`: also return step_hits, which positions each step got right (common.model.acceptance replays them).
+    Host syncs: one per micro-batch (the counted rows of every step, read at once), none per step.
     """
     draft = getattr(model, "module", model)
     input_ids = squeeze_row(input_ids, 1)
@@ -106,36 +159,30 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
     teacher_logp, teacher_argmax = teacher
     in_draft_vocab = draft.t2d[teacher_argmax]  # [T]: the target's top-1 at that position has a draft id
 
-    # positions counted per step (python-side count of step 0 fixes the denominator before any forward)
-    counted = []
-    for step in range(ttt_steps):
-        target_idx, _ = layout.shifted(2 + step)
-        counted.append(layout.step_valid(step) & loss_mask[target_idx])
+    # counted[i, t]: step i at t has a target inside its sample whose token carries a loss (t + 2 + i <= L - 1
+    # and loss_mask[t + 2 + i]); all steps at once, and their rows read to the host in one sync
+    steps = torch.arange(ttt_steps, device=device)[:, None]
+    target_idx = (torch.arange(T, device=device)[None, :] + 2 + steps).clamp_(max=T - 1)
+    counted = (layout.offset[None, :] + 2 + steps <= layout.length[None, :] - 1) & loss_mask[target_idx]
+    step_counts = counted.sum(dim=1)
+    rows_all = torch.nonzero(counted.flatten(), as_tuple=False).squeeze(1)
+    counts = step_counts.tolist()
     if denominator is None:
-        denominator = max(1, int(counted[0].sum()))
-    use_ckpt = checkpoint_chunks and torch.is_grad_enabled()
+        denominator = max(1, counts[0])
+    step_rows = [r - i * T for i, r in enumerate(torch.split(rows_all, counts))]
     hits = torch.zeros(ttt_steps, T, dtype=torch.bool, device=device) if per_position else None
 
     def step_fn(m, step, hidden):
-        rows = torch.nonzero(counted[step], as_tuple=False).squeeze(1)
+        rows = step_rows[step]
         teacher_rows = rows + 1 + step
-        loss_sum = None
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        for a in range(0, rows.numel(), chunk_tokens):
-            r = rows[a:a + chunk_tokens]
-            tr = teacher_rows[a:a + chunk_tokens]
-            keep = in_draft_vocab[tr].float()
-            args = (m, hidden[r], teacher_logp, tr, keep)
-            part, pred = checkpoint(_chunk_step_loss, *args, use_reentrant=False) if use_ckpt else _chunk_step_loss(*args)
-            loss_sum = part if loss_sum is None else loss_sum + part
-            right = m.draft_to_target_ids(pred) == teacher_argmax[tr]
-            correct = correct + right.sum()
-            if hits is not None:
-                hits[step, r] = right
-        if loss_sum is None:  # nothing counted: keep the graph connected (DDP wants every parameter used)
-            loss_sum = m.compute_logits(hidden[:1]).float().sum() * 0.0
-        kept = (counted[step] & in_draft_vocab[layout.shifted(1 + step)[0]]).sum()
-        return loss_sum / denominator, correct, kept
+        keep = in_draft_vocab[teacher_rows]
+        if rows.numel() == 0:  # nothing counted: keep the graph connected (DDP wants every parameter used)
+            return m.compute_logits(hidden[:1]).float().sum() * 0.0, torch.zeros((), dtype=torch.long, device=device), keep.sum()
+        loss_sum, pred = step_loss(m, hidden, rows, teacher_logp, teacher_rows, keep.float() / denominator, chunk_tokens)
+        right = m.draft_to_target_ids(pred) == teacher_argmax[teacher_rows]
+        if hits is not None:
+            hits[step, rows] = right
+        return loss_sum, right.sum(), keep.sum()
 
     results = model(aux_hidden, input_ids, position_ids, seq_lens, ttt_steps, step_fn=step_fn)
     step_losses = [r[0] for r in results]
@@ -143,14 +190,13 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
     # one host sync for all the logged numbers
     stats = torch.stack([torch.stack([l.detach().float() for l in step_losses]),
                          torch.stack([r[1].float() for r in results]),
-                         torch.stack([c.sum().float() for c in counted]),
                          torch.stack([r[2].float() for r in results])]).cpu()
     return TTTOutput(
         loss=loss,
         step_losses=stats[0].tolist(),
         step_correct=[int(x) for x in stats[1].tolist()],
-        step_counts=[int(x) for x in stats[2].tolist()],
+        step_counts=[int(c) for c in counts],
         denominator=float(denominator),
-        step_loss_counts=[int(x) for x in stats[3].tolist()],
+        step_loss_counts=[int(x) for x in stats[2].tolist()],
         step_hits=hits,
     )

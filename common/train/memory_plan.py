@@ -44,7 +44,7 @@ from common.core.errors import ConfigError
 from common.core.io import format_bytes
 
 # Fixed sizes of the code (kept in step with common/model/ttt.py and common/model/draft.py)
-LOSS_CHUNK_ROWS = 1024  # ttt_loss chunk_tokens
+LOSS_CHUNK_ROWS = 4096  # ttt.LOSS_CHUNK_ROWS: rows per chunk of the fused lm_head + loss
 TEACHER_CHUNK_ROWS = 1024  # teacher_from_final_hidden chunk_tokens
 ATTN_CHUNK = 512  # Eagle3DraftModel.attn_chunk_size
 # What the planner leaves free on a GPU of C bytes: the CUDA context, NCCL buffers and the caching
@@ -65,7 +65,8 @@ class MemoryPlan:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.terms.items() if v > 0)
         return (f"peak ~{format_bytes(self.peak)} per GPU at the {self.phase} ({par} x{s['world_size']}, "
                 f"{s['dtype']}, {s['trainable_params'] / 1e6:.0f}M trainable params, batch_max_tokens {s['batch_max_tokens']}, "
-                f"ttt_steps {s['ttt_steps']}, gradient_checkpointing {'on' if s['gradient_checkpointing'] else 'off'}): {parts}")
+                f"ttt_steps {s['ttt_steps']}, gradient_checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
+                f"{' (auto)' if s.get('gradient_checkpointing_auto') else ''}): {parts}")
 
 
 def trainable_params(d) -> int:
@@ -81,7 +82,7 @@ def trainable_params(d) -> int:
 
 
 def resolve_dtype_bytes(precision: str, device_type: str) -> int:
-    """common.train.trainer.resolve_precision: auto = bf16 on GPU, fp32 on CPU."""
+    """As common.train.trainer.resolve_precision: auto = bf16 on GPU, fp32 on CPU."""
     if precision == "auto":
         precision = "bf16" if device_type == "cuda" else "fp32"
     return 2 if precision == "bf16" else 4
@@ -102,8 +103,8 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     q_w, kv_w = d.num_attention_heads * hd, d.num_key_value_heads * hd
     V, Vd, Ht, A = d.vocab_size, d.draft_vocab_size, d.target_hidden_size, d.num_aux
     gc = bool(t.gradient_checkpointing)
-    S = min(T, (max_sample_len or T) + ATTN_CHUNK - 1)  # keys one attention chunk sees (from its first row's sample start)
     C = min(T, ATTN_CHUNK)
+    S = min(T, (max_sample_len or T) + C - 1)  # keys one attention chunk sees (from its first row's sample start)
     rows = min(T, LOSS_CHUNK_ROWS)
 
     # -- state -------------------------------------------------------------------------------------
@@ -113,8 +114,11 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     if mode == "fsdp":
         working = c * P  # the root unit's all-gathered params (param_dtype), through forward and backward
         grads = c * P + (4 * P if t.grad_accum > 1 else 0)  # unsharded grads (+ fp32 accumulated ones)
+    elif bf16:  # common.train.step.ComputeCopy: bf16 weights and their gradients (and DDP's bf16 buckets)
+        working = 2 * P
+        grads = 4 * P + 2 * P + (2 * P if mode == "ddp" else 0)
     else:
-        working = 2 * P if bf16 else 0  # autocast's bf16 copies of the fp32 weights, saved for backward
+        working = 0
         grads = 4 * P + (4 * P if mode == "ddp" else 0)  # DDP's buckets (gradient_as_bucket_view off)
     embed_bytes = 2 if (bf16 and device_type == "cuda" and embed_bf16) else 4
     frozen = V * H * embed_bytes + 8 * Vd + V  # embedding, d2t, t2d
@@ -127,7 +131,7 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
 
     # -- saved activations per TTT step ---------------------------------------------------------------
     a = c  # activations (linear outputs under autocast, layer outputs)
-    n = 4 if (bf16 and mode != "fsdp") else c  # RMSNorm output: fp32 weight x bf16 input promotes to fp32
+    n = c  # RMSNorm output: weight (in the compute dtype) x normalised input
 
     def norm_saved(d_in: int) -> int:  # RMSNorm: an fp32 copy of its input (unless fp32) and the normalised input
         return (4 if d_in != 4 else 0) + d_in
@@ -145,19 +149,25 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
 
     outputs = H * a + 2 * kv_w * a  # h, k, v of every layer call
     per_step = L * outputs + H * embed_bytes + 2 * hd * 4  # + the step's embeddings, RoPE cos/sin
-    per_step += H * a + 20  # the rows the loss chunks gather, hidden[r] (<= T of them), their indices and weights
+    # the loss: the rows it gathers, hidden[r] (<= T of them), the final norm's fp32 input and output, the normed
+    # rows the fused lm_head + loss keeps, their indices, weights and log-sum-exp
+    per_step += H * (3 * a + (4 if a != 4 else 0)) + 28
     if not gc:
         per_step += attn_part(True) + mlp_part() + (L - 1) * (attn_part(False) + mlp_part())
     saved = T * (K * per_step + H * a)  # + fc(aux), the step-0 hidden
 
     # -- transients on top of the saved set, in the backward of the last step's last layer ----------
     last = attn_part(L == 1)
-    scores = 4 * d.num_attention_heads * C * (S + K - 1)  # one attention chunk's fp32 scores [heads, C, S + diag]
-    # the chunk's backward: the recomputed probabilities, their gradient, and the full-size zero-filled
-    # gradients of its slices p[..., :S], p[..., S + j] (one per earlier step j, summed as they come)
-    attn_bwd = T * ((last if gc else -mlp_part()) + q_w * a * 2 + 2 * K * kv_w * a) + int((4 + 0.2 * (K - 1)) * scores)
+    # one chunk batch's fp32 scores [heads, pairs] (common.model.draft.TTTAttention: batches of at most
+    # ATTN_SCORES_BYTES, or one chunk when a chunk alone is larger); in its backward: the recomputed
+    # probabilities, their gradient, and its bf16 cast (~3 copies)
+    from common.model.draft import ATTN_SCORES_BYTES
+
+    pairs = min(math.ceil(T / C) * C * S, max(ATTN_SCORES_BYTES // (4 * d.num_attention_heads), C * S))
+    scores = 4 * d.num_attention_heads * pairs
+    attn_bwd = T * ((last if gc else -mlp_part()) + q_w * a * 2 + 2 * K * kv_w * a) + 3 * scores
     mlp_bwd = T * ((last + mlp_part() if gc else 0) + 3 * I * a + H * 4)
-    loss_chunk = rows * Vd * (c + 6 * 4) + rows * H * 4 * 3  # the loss chunk: logits, log-softmax, teacher, grads
+    loss_chunk = rows * Vd * (c + 3 * 4) + rows * H * 4 * 3  # the loss chunk: logits (+ fp32), teacher rows, product
     teacher_build = TEACHER_CHUNK_ROWS * (V * (c + 4) + 8 * Vd)  # [1024, V] logits while the teacher is built
     optim_tmp = 4 * shard(P) if device_type == "cuda" else 4 * _largest_param(d) * 2  # foreach sqrt; CPU: per tensor
     backward = max(attn_bwd, mlp_bwd)
@@ -169,7 +179,9 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
         "backward": {**in_use, "activations": saved, "transient": backward},
         "loss chunk": {**in_use, "activations": saved, "transient": loss_chunk},
         "teacher": {**in_use, "grads": 0, "transient": teacher_build},
-        "optimizer step": {**common, "grads": 4 * shard(P), "batch+teacher logp": batch, "transient": optim_tmp},
+        "optimizer step": {**common, "weights": weights + (working if mode != "fsdp" else 0),
+                           "grads": 4 * shard(P) + (2 * P if bf16 and mode == "ddp" else 0), "batch+teacher logp": batch,
+                           "transient": optim_tmp},
     }
     if mode == "fsdp":  # after backward, resharded: the unsharded grads + the fp32 reduce-scatter input and output
         moments["reduce-scatter"] = {**common, "grads": c * P + 4 * P + 4 * shard(P), "batch+teacher logp": batch + teacher}
@@ -238,11 +250,27 @@ def check_fits(plan: MemoryPlan, capacity: Optional[int], replan) -> None:
         f"(train.gpu_memory_gb overrides the capacity; docs/design.md#memory-planner-04)")
 
 
+def plan_for_capacity(d, t, capacity: Optional[int], **kw):
+    """(plan, replanner) with train.gradient_checkpointing resolved: null = off unless the step does not fit
+    `capacity` without it (recomputation costs a forward per TTT step: only when memory asks for it)."""
+    resolved = SimpleNamespace(**{f: getattr(t, f) for f in _PLANNED_FIELDS})
+    auto = t.gradient_checkpointing is None
+    if auto:
+        resolved.gradient_checkpointing = False
+        if capacity is not None and plan_memory(d, resolved, **kw).peak > capacity * USABLE_FRACTION:
+            resolved.gradient_checkpointing = True
+    plan = plan_memory(d, resolved, **kw)
+    plan.setting["gradient_checkpointing_auto"] = auto
+    return plan, replanner(d, resolved, **kw)
+
+
+_PLANNED_FIELDS = ("ttt_steps", "precision", "parallel", "gradient_checkpointing", "grad_accum", "batch_max_tokens")
+
+
 def replanner(d, t, **kw):
     """replan(**changes) for check_fits: plan_memory with some train settings changed."""
     def replan(batch_max_tokens=None, parallel=None, gradient_checkpointing=None) -> MemoryPlan:
-        t2 = SimpleNamespace(**{f: getattr(t, f) for f in ("ttt_steps", "precision", "parallel", "gradient_checkpointing",
-                                                           "grad_accum", "batch_max_tokens")})
+        t2 = SimpleNamespace(**{f: getattr(t, f) for f in _PLANNED_FIELDS})
         if parallel is not None:
             t2.parallel = parallel
         if gradient_checkpointing is not None:

@@ -7,18 +7,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from common.model.acceptance import ReplayTotals, product_formula
 from common.core.distributed import DistEnv, NamedSums, all_reduce_sum
 from common.hidden.shards import HiddenIndex
 from common.train.data import eval_micro_batches
-from common.model.ttt import ttt_loss
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader, cfg, env: DistEnv, autocast) -> Optional[dict]:
-    """Teacher-forced per-TTT-step accuracy on the eval split, and the implied acceptance length."""
+def evaluate(step_fn, index: HiddenIndex, reader, cfg, env: DistEnv) -> Optional[dict]:
+    """Teacher-forced per-TTT-step accuracy on the eval split, and the implied acceptance length, computed by
+    04's training step (common.train.step.TrainStep: the same model, precision and loss)."""
     mine, per_rank, stand_in = eval_micro_batches(index, cfg.train.batch_max_tokens, env.world_size, env.rank)
     if per_rank == 0:
         return None
@@ -27,6 +26,7 @@ def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader
     sums = NamedSums(weighted_loss=1, denominator=1, weighted_step_losses=K, step_correct=K, step_counts=K)
     # vLLM's rounds replayed over each sample, limited to the tokens 05 lets vLLM generate
     replay = ReplayTotals(K, max_new_tokens=cfg.evaluate.max_tokens)
+    model = step_fn.model
     was_training = model.training
     model.eval()
     for mb_samples in mine:
@@ -34,9 +34,7 @@ def evaluate(model: nn.Module, lm_head: torch.Tensor, index: HiddenIndex, reader
         if mb_samples is None and not (env.distributed and cfg.train.parallel == "fsdp"):
             continue
         mb = reader.read(mb_samples if mb_samples is not None else stand_in).to(env.device)
-        with autocast():
-            out = ttt_loss(model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
-                           mb.seq_lens, lm_head, K, cfg.train.loss_decay, per_position=True)
+        out = step_fn.loss(mb, per_position=True)
         if mb_samples is None:
             continue
         replay.add_packed_row(out.step_hits.cpu().numpy(), mb.loss_mask.reshape(-1).cpu().numpy(), mb.seq_lens)

@@ -34,7 +34,6 @@ starts over. A run whose train/final is complete for the configured number of st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -43,7 +42,7 @@ import math
 import random
 import shutil
 import time
-from typing import Callable, ContextManager, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -61,7 +60,7 @@ from common.core.errors import ConfigError, DataError, PipelineError
 from common.train.export import export_best, export_final
 from common.core.io import JsonlAppender, atomic_write_json, format_bytes, read_json
 from common.target.loading import check_safetensors_readable, load_target_info, load_target_tensors, target_fingerprint
-from common.train.optim import build_optimizer, lr_at, set_lr
+from common.train.optim import build_optimizer, lr_at
 from common.core.run_folder import Layout, StageManifest
 from common.train.tensorboard import TensorBoard
 from common.train.data import DataPosition, Round, TrainData
@@ -69,23 +68,21 @@ from common.train.ledger import LEDGER_FILE, SampleLedger
 from common.hidden.stream import StreamWait
 from common.hidden.shards import (HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
                                   write_consumed)
-from common.model.ttt import ttt_loss
-from common.train.memory_plan import check_fits, gpu_capacity, plan_memory, replanner
+from common.train.step import StepSettings, TrainStep, resolve_attention, resolve_compile
+from common.train.memory_plan import check_fits, gpu_capacity, plan_for_capacity
 
 
 # ---------------------------------------------------------------------------------------
 # Precision
 
 
-def resolve_precision(cfg, device: torch.device) -> tuple[torch.dtype, Callable[[], ContextManager]]:
-    """The compute dtype and its autocast context: train.precision "auto" = bf16 autocast on GPU,
-    fp32 on CPU (the weights themselves stay fp32)."""
+def resolve_precision(cfg, device: torch.device) -> torch.dtype:
+    """The compute dtype: train.precision "auto" = bf16 on GPU, fp32 on CPU (the master weights stay fp32;
+    common.train.step)."""
     p = cfg.train.precision
     if p == "auto":
         p = "bf16" if device.type == "cuda" else "fp32"
-    if p != "bf16":
-        return torch.float32, contextlib.nullcontext
-    return torch.bfloat16, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.bfloat16 if p == "bf16" else torch.float32
 
 
 def fingerprint(obj) -> str:
@@ -155,7 +152,7 @@ class Trainer:
         self.d2t, self.t2d = load_vocab_map(layout.vocab_map, self.info.vocab_size, cfg.vocab.draft_vocab_size)
         self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
 
-        self.dtype, self.autocast = resolve_precision(cfg, env.device)
+        self.dtype = resolve_precision(cfg, env.device)
         self.on_gpu = env.device.type == "cuda"
         t = self.t
         self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=env.world_size, rank=env.rank,
@@ -191,7 +188,8 @@ class Trainer:
         dtype = str(getattr(tc, "torch_dtype", None) or getattr(tc, "dtype", None) or "")  # the embedding's, before loading
         kw = dict(world_size=self.env.world_size, device_type=self.env.device.type, embed_bf16="bfloat16" in dtype,
                   max_sample_len=max(lengths, default=self.cfg.tokenize.max_seq_len))
-        return plan_memory(self.draft_cfg, self.t, **kw), replanner(self.draft_cfg, self.t, **kw)
+        self.capacity = gpu_capacity(self.cfg, self.env.device)
+        return plan_for_capacity(self.draft_cfg, self.t, self.capacity, **kw)
 
     # -- rounds under a disk budget (docs/design.md#rounds-under-a-disk-budget) ---------------
 
@@ -333,20 +331,23 @@ class Trainer:
         if t.init_lm_head == "target":  # start from the target's own head, restricted to the draft vocab
             with torch.no_grad():
                 draft.lm_head.weight.copy_(target["lm_head"][draft.draft_vocab_target_ids()].float())
-        draft.gradient_checkpointing = t.gradient_checkpointing
-        draft.attention_impl = t.attention_impl
+        draft.gradient_checkpointing = self.memory_plan.setting["gradient_checkpointing"]  # as planned (null: auto)
         draft.to(env.device)
-        self.draft = draft
+        draft.attention_impl, attention_why = resolve_attention(t.attention_impl, draft.config, env.device)
+        self.draft = draft  # the fp32 master weights: what the optimizer updates, checkpoints and exports hold
         # The teacher's lm_head: on the device, in the compute dtype; not trained, not saved.
         self.lm_head = target["lm_head"].to(env.device, dtype=self.dtype)
         del target
-        self.model = wrap_parallel(draft, env, t.parallel, self.dtype)
-        self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
-        self.is_fsdp = env.distributed and t.parallel == "fsdp"
-
-        self.params = [p for p in draft.parameters() if p.requires_grad]
-        self.n_params = sum(p.numel() for p in self.params)
-        self.optimizer = build_optimizer(draft, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu)
+        self.n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+        compile_on, compile_why = resolve_compile(t.compile, env.device)
+        settings = StepSettings(ttt_steps=self.K, loss_decay=t.loss_decay, grad_clip=t.grad_clip, dtype=self.dtype,
+                                parallel=t.parallel, compile=compile_on)
+        self.step_fn = TrainStep(draft, self.lm_head,
+                                 lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu), settings,
+                                 env, wrap=lambda m: wrap_parallel(m, env, t.parallel, self.dtype))
+        self.model, self.optimizer = self.step_fn.model, self.step_fn.optimizer
+        self.say(f"04_train: step: attention {draft.attention_impl} ({attention_why}), torch.compile "
+                 f"{'on' if compile_on else 'off'} ({compile_why}), {self.step_fn.describe_precision()}")
 
     def init_state(self) -> None:
         """Fresh counters, or the latest complete checkpoint's."""
@@ -359,6 +360,7 @@ class Trainer:
         self.best: Optional[dict] = None  # the checkpoint with the best replayed acceptance length so far
         self.ledger = self.data.new_ledger()
         latest = load_latest(self.layout, self.draft, self.optimizer, self.env)  # skips damaged ones
+        self.step_fn.refresh()  # the compute copy (bf16) follows the loaded master weights
         if latest is not None:
             path, state = latest
             if state.get("fingerprint") != self.fingerprint:
@@ -423,7 +425,7 @@ class Trainer:
             if env.is_main:
                 self.manifest.record("already_complete")
             return 0
-        capacity = gpu_capacity(self.cfg, env.device)
+        capacity = self.capacity
         self.say(f"04_train: memory plan: {self.memory_plan.describe()}"
                  + (f"; GPU capacity {format_bytes(capacity)}" if capacity is not None else ""))
         check_fits(self.memory_plan, capacity, self.replan)
@@ -543,7 +545,6 @@ class Trainer:
         t, env, K = self.t, self.env, self.K
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, self.t)
-        set_lr(self.optimizer, lr)
         mine, real, next_pos = self.data.step_micro_batches(self.pos)
         self.tokens_seen += self.data.step_tokens(self.pos)
         # Each micro-batch loss is a sum over its positions divided by the step-0 position count of
@@ -551,29 +552,21 @@ class Trainer:
         # (same for any split into ranks x micro-batches). DDP/FSDP average over ranks: x world_size.
         denominator = max(1, self.data.step_loss_positions(self.pos) if t.loss_normalization == "counted"
                           else self.data.step_tokens(self.pos))
-        self.optimizer.zero_grad(set_to_none=True)
-        for j in range(len(mine)):
-            mb = next(self.batches)
-            assert mb.sample_ids == [self.index.samples[i].sample_id for i in mine[j]], "data stream out of step"
-            mb = mb.to(env.device, non_blocking=self.on_gpu)
-            last = j == len(mine) - 1
-            sync = self.model.no_sync() if (self.is_ddp and not last) else contextlib.nullcontext()
-            if self.is_fsdp:
-                self.model.set_requires_gradient_sync(last)
-            with sync:
-                with self.autocast():
-                    out = ttt_loss(self.model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
-                                   mb.seq_lens, self.lm_head, K, t.loss_decay, denominator=denominator)
-                # a stand-in at an epoch's end (this rank ran out) keeps the collectives in step, with weight 0
-                (out.loss * (env.world_size if real[j] else 0.0)).backward()
-            if real[j]:
-                self.window.add(loss=float(out.loss.detach()), tokens=mb.num_tokens, step_losses=out.step_losses,
+
+        def micro_batches():
+            for j in range(len(mine)):
+                mb = next(self.batches)
+                assert mb.sample_ids == [self.index.samples[i].sample_id for i in mine[j]], "data stream out of step"
+                yield mb.to(env.device, non_blocking=self.on_gpu), real[j]
+
+        result = self.step_fn.run(micro_batches(), len(mine), denominator, lr)
+        for out, is_real, tokens in result.outputs:
+            if is_real:
+                self.window.add(loss=float(out.loss.detach()), tokens=tokens, step_losses=out.step_losses,
                                 step_correct=out.step_correct, step_counts=out.step_counts)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if not math.isfinite(self.grad_norm):  # the same value on every rank (the gradients are all-reduced)
+        self.grad_norm = result.grad_norm
+        if not result.applied:  # a non-finite gradient, the same on every rank (the gradients are all-reduced)
             raise self.diverged(lr)
-        self.optimizer.step()
         self.data.record_step(self.ledger, self.pos)
         self.lr = lr
         self.step += 1
@@ -621,7 +614,7 @@ class Trainer:
         return self.elapsed_before + time.time() - self.t_start
 
     def evaluate(self) -> Optional[dict]:
-        report = evaluate(self.model, self.lm_head, self.index, self.data.reader, self.cfg, self.env, self.autocast)
+        report = evaluate(self.step_fn, self.index, self.data.reader, self.cfg, self.env)
         if report is None:
             return None
         report = {"type": "eval", "step": self.step, **report}

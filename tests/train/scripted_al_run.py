@@ -22,8 +22,8 @@ def install(scripted: dict) -> None:
         steps["now"] = self.step
         return original_step(self)
 
-    def evaluate(model, lm_head, index, reader, cfg, env, autocast):
-        report = real(model, lm_head, index, reader, cfg, env, autocast)
+    def evaluate(step_fn, index, reader, cfg, env):
+        report = real(step_fn, index, reader, cfg, env)
         value = scripted.get(str(steps["now"]))
         if report is not None and value is not None:
             k = str(min(cfg.evaluate.num_speculative_tokens, cfg.train.ttt_steps))

@@ -46,8 +46,9 @@ def test_estimate_bounds_the_measured_peak(hidden_run, tmp_path, size):
 def test_04_prints_the_plan_and_refuses_what_cannot_fit(hidden_run, tmp_path):
     cfg = clone_run(hidden_run, tmp_path, max_steps=2)
     base = [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg)]
-    small = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009"], env=train_env(), capture_output=True, text=True,
-                           timeout=300)
+    # checkpointing forced off: nothing fits 9 MB as configured
+    small = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009", "--set", "train.gradient_checkpointing=false"],
+                           env=train_env(), capture_output=True, text=True, timeout=300)
     assert small.returncode == 2
     assert "04_train: memory plan: peak ~" in small.stdout
     err = [line for line in small.stderr.splitlines() if line.startswith("error:")]
@@ -56,9 +57,25 @@ def test_04_prints_the_plan_and_refuses_what_cannot_fit(hidden_run, tmp_path):
     assert not (tmp_path / "run" / "train" / "checkpoints").exists()  # refused before anything was written
     # the suggested batch fits: 04 trains with it
     suggested = int(err[0].split("lower train.batch_max_tokens to ")[1].split()[0])
-    ok = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009", "--set", f"train.batch_max_tokens={suggested}"],
-                        env=train_env(), capture_output=True, text=True, timeout=300)
+    ok = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009", "--set", "train.gradient_checkpointing=false",
+                         "--set", f"train.batch_max_tokens={suggested}"], env=train_env(), capture_output=True, text=True,
+                        timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_04_turns_checkpointing_on_only_when_the_step_does_not_fit(hidden_run, tmp_path):
+    """train.gradient_checkpointing null (the default): off when the step fits the capacity, on when only the
+    recomputing step fits (9 MB here, where the step without it plans ~9.1 MB); printed as (auto)."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=2)
+    base = [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg), "--overwrite"]
+    roomy = subprocess.run([*base, "--set", "train.gpu_memory_gb=1"], env=train_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert roomy.returncode == 0, roomy.stderr[-2000:]
+    assert "gradient_checkpointing off (auto)" in roomy.stdout
+    tight = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009"], env=train_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert tight.returncode == 0, tight.stderr[-2000:]
+    assert "gradient_checkpointing on (auto)" in tight.stdout
 
 
 KIMI_TARGET = {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61, "torch_dtype": "bfloat16"}
