@@ -395,11 +395,18 @@ class ChunkBatch:
     def rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x if self.whole_rows else x.index_select(0, index)
 
+    @property
+    def bias5(self) -> torch.Tensor:
+        """bias as [n, 1, C, 1, S]: broadcast over kv heads and the g query heads of each."""
+        n, C, S = self.bias.shape
+        return self.bias.view(n, 1, C, 1, S)
+
     def add_rows(self, total: torch.Tensor, index: torch.Tensor, part: torch.Tensor) -> None:
+        part = _as(part, total.dtype)
         if self.whole_rows:
-            total.add_(part.to(total.dtype))
+            total.add_(part.reshape(total.shape))
         else:
-            total.index_add_(0, index, part.to(total.dtype))
+            total.index_add_(0, index, part.reshape(-1, *total.shape[1:]))
 
 
 @dataclass
@@ -467,10 +474,11 @@ class TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: "ChunkPlan", q, k0, v0, *diag):
         outs, lses = [], []
-        for cb in plan.batches:
-            out, lse = _attend_forward(cb, q, k0, v0, diag)
-            outs.append(out)
-            lses.append(lse)
+        with torch.autocast(q.device.type, enabled=False):  # the dtypes are chosen here (autocast skips backward)
+            for cb in plan.batches:
+                out, lse = _attend_forward(cb, q, k0, v0, diag)
+                outs.append(out)
+                lses.append(lse)
         out = plan.to_rows(torch.cat(outs) if len(outs) > 1 else outs[0])
         ctx.plan = plan
         ctx.save_for_backward(q, k0, v0, out, *lses, *diag)
@@ -484,97 +492,112 @@ class TTTAttention(torch.autograd.Function):
         n_diag = len(diag) // 2
         # D = rowsum(dO * O), the softmax's backward term shared by every key of a query row
         delta = (_wide(grad_out) * _wide(out)).sum(dim=-1)  # [T, nh]
-        grad_out = grad_out.to(q.dtype)
+        grad_out = _as(grad_out, q.dtype)
         dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
-        d_diag = [torch.zeros_like(x) for x in diag]
+        # the diag keys' and values' gradients of every earlier step at once: [T, nkv, i, d] each
+        d_diag = [k0.new_zeros(k0.shape[0], k0.shape[1], n_diag, k0.shape[2]) for _ in range(2)] if n_diag else []
         for cb, lse in zip(plan.batches, lses):
             _attend_backward(cb, q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag)
-        return (None, dq, dk0, dv0, *d_diag[:n_diag], *d_diag[n_diag:])
+        return (None, dq, dk0, dv0, *[g for d in d_diag for g in d.unbind(2)])
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)  # no op dispatched when it is one already
+
+
+def _by_kv_head(x: torch.Tensor, n: int, rows: int, nkv: int) -> torch.Tensor:
+    """[n * rows, nkv, r, d] rows of n chunks (r = g query heads of a kv head, or steps) -> [n * nkv, rows * r, d]:
+    one matrix per (chunk, kv head), as bmm wants them."""
+    return x.view(n, rows, nkv, -1).transpose(1, 2).reshape(n * nkv, -1, x.shape[-1])
+
+
+def _to_rows(x: torch.Tensor, n: int, nkv: int, rows: int) -> torch.Tensor:
+    """The inverse of _by_kv_head: [n * nkv, rows * r, d] -> [n * rows, nkv, r, d]."""
+    return x.view(n, nkv, rows, -1).transpose(1, 2).reshape(n * rows, nkv, -1, x.shape[-1])
 
 
 def _batch_inputs(cb: "ChunkBatch", q, k0, v0, diag):
-    """The chunk batch's queries [n, C, nkv, g, d], keys and values [n, S, nkv, d], and the diag keys
-    [n*C, nkv, d, i] and values [n*C, nkv, i, d] at the queries' rows (fp32)."""
+    """The chunk batch's queries [n*nkv, C*g, d], keys and values [n*nkv, S, d] (one matrix per chunk and kv
+    head; query rows ordered (c, g)), and the diag keys [n*nkv*C, d, i] and values [n*nkv*C, i, d] at the
+    queries' rows (wide: fp32)."""
     n, C, S = cb.bias.shape
-    nh, d = q.shape[1:]
-    nkv = k0.shape[1]
-    qb = cb.rows(q, cb.queries).view(n, C, nkv, nh // nkv, d)
-    kb = cb.rows(k0, cb.keys).view(n, S, nkv, d)
-    vb = cb.rows(v0, cb.keys).view(n, S, nkv, d)
+    nkv, d = k0.shape[1], k0.shape[2]
+    qh = _by_kv_head(cb.rows(q, cb.queries).view(n * C, nkv, -1, d), n, C, nkv)
+    kh = _by_kv_head(cb.rows(k0, cb.keys).view(n * S, nkv, 1, d), n, S, nkv)
+    vh = _by_kv_head(cb.rows(v0, cb.keys).view(n * S, nkv, 1, d), n, S, nkv)
     n_diag = len(diag) // 2
     kd = vd = None
     if n_diag:
-        kd = _wide(cb.rows(torch.stack(diag[:n_diag], dim=-1), cb.queries))  # [n*C, nkv, d, i]
-        vd = _wide(cb.rows(torch.stack(diag[n_diag:], dim=2), cb.queries))  # [n*C, nkv, i, d]
-    return qb, kb, vb, kd, vd
+        kd = _wide(_by_kv_head(cb.rows(torch.stack(diag[:n_diag], dim=2), cb.queries), n, C, nkv)).reshape(-1, n_diag, d)
+        vd = _wide(_by_kv_head(cb.rows(torch.stack(diag[n_diag:], dim=2), cb.queries), n, C, nkv)).reshape(-1, n_diag, d)
+    return qh, kh, vh, kd, vd
 
 
-def _probabilities(cb: "ChunkBatch", qb, kb, kd, lse=None):
-    """Softmax probabilities of the chunk batch: step-0 keys [n, nkv, g, C, S] and diag keys [n*C, nkv, g, i]
-    (None without diag), and the log-sum-exp [n, nkv, g, C] (given: from forward, in backward)."""
+def _probabilities(cb: "ChunkBatch", qh, kh, kd, lse=None):
+    """Softmax probabilities of the chunk batch over its step-0 keys [n*nkv, C*g, S] and its diag keys
+    [n*nkv*C, g, i] (None without), and the log-sum-exp [n*nkv, C*g] (given in backward: from forward)."""
     n, C, S = cb.bias.shape
-    _, _, nkv, g, d = qb.shape
+    B, Cg, d = qh.shape
     scale = d**-0.5
-    qh = qb.permute(0, 2, 3, 1, 4).reshape(n, nkv, g * C, d)
-    scores = _wide(torch.matmul(qh, kb.permute(0, 2, 3, 1))).view(n, nkv, g, C, S).mul_(scale).add_(cb.bias[:, None, None])
+    scores = _wide(torch.bmm(qh, kh.transpose(1, 2)))  # [B, C*g, S]
+    scores.view(n, B // n, C, Cg // C, S).mul_(scale).add_(cb.bias5)
     diag_scores = None
     if kd is not None:
-        diag_scores = torch.matmul(_wide(qb).view(n * C, nkv, g, d), kd).mul_(scale)  # [n*C, nkv, g, i]
+        diag_scores = torch.bmm(_wide(qh).view(B * C, Cg // C, d), kd.transpose(1, 2)).mul_(scale)  # [B*C, g, i]
     if lse is None:
         lse = scores.logsumexp(dim=-1)
         if diag_scores is not None:  # fold in the diag keys: log(exp(lse) + sum exp(diag))
-            lse = torch.logaddexp(lse, diag_scores.logsumexp(dim=-1).view(n, C, nkv, g).permute(0, 2, 3, 1))
-    p = scores.sub_(lse[..., None]).exp_()
-    p_diag = None
-    if diag_scores is not None:
-        p_diag = diag_scores.sub_(lse.permute(0, 3, 1, 2).reshape(n * C, nkv, g)[..., None]).exp_()
+            lse = torch.logaddexp(lse, diag_scores.logsumexp(dim=-1).view(B, Cg))
+    p = scores.sub_(lse.unsqueeze(-1)).exp_()
+    p_diag = None if diag_scores is None else diag_scores.sub_(lse.view(B * C, Cg // C, 1)).exp_()
     return p, p_diag, lse
 
 
 def _attend_forward(cb: "ChunkBatch", q, k0, v0, diag):
-    n, C, S = cb.bias.shape
-    qb, kb, vb, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
-    _, _, nkv, g, d = qb.shape
-    p, p_diag, lse = _probabilities(cb, qb, kb, kd)
-    out = _wide(torch.matmul(p.view(n, nkv, g * C, S).to(vb.dtype), vb.permute(0, 2, 1, 3)))
-    out = out.view(n, nkv, g, C, d).permute(0, 3, 1, 2, 4)  # [n, C, nkv, g, d]
+    n, C, _ = cb.bias.shape
+    nkv = k0.shape[1]
+    qh, kh, vh, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
+    B, Cg, d = qh.shape
+    p, p_diag, lse = _probabilities(cb, qh, kh, kd)
+    out = _wide(torch.bmm(_as(p, vh.dtype), vh))  # [B, C*g, d]
     if p_diag is not None:
-        out = out + torch.matmul(p_diag, vd).view(n, C, nkv, g, d)
-    return out.reshape(n * C, nkv * g, d).to(q.dtype), lse
+        out.view(B * C, Cg // C, d).baddbmm_(p_diag, vd)
+    return _as(_to_rows(out, n, nkv, C).reshape(n * C, -1, d), q.dtype), lse
 
 
 def _attend_backward(cb: "ChunkBatch", q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag):
-    """Adds the chunk batch's gradients into dq, dk0, dv0 and d_diag (index_add: key rows repeat across chunks)."""
+    """Adds the chunk batch's gradients into dq, dk0, dv0 and d_diag ([T, nkv, i, d]; index_add: key rows repeat
+    across chunks). FlashAttention's algebra: dV = P^T dO; dS = P * (dO V^T - D) * scale; dQ = dS K; dK = dS^T Q
+    (the g query heads of a kv head are rows of one matrix: their dK and dV sum in the matmul)."""
     n, C, S = cb.bias.shape
-    qb, kb, vb, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
-    _, _, nkv, g, d = qb.shape
+    nkv = k0.shape[1]
+    qh, kh, vh, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
+    B, Cg, d = qh.shape
     scale = d**-0.5
-    p, p_diag, _ = _probabilities(cb, qb, kb, kd, lse)
-    do = cb.rows(grad_out, cb.queries)  # [n*C, nh, d]
-    dlt = cb.rows(delta, cb.queries)
-    if cb.query_weight is not None:  # padded query rows repeat a real row: their gradient must not count
-        do = do * cb.query_weight[:, None, None].to(do.dtype)
+    p, p_diag, _ = _probabilities(cb, qh, kh, kd, lse)
+    do, dlt = cb.rows(grad_out, cb.queries), cb.rows(delta, cb.queries)
+    if cb.query_weight is not None:  # the last chunk's padding repeats a real row: its gradient must not count
+        do = do * _as(cb.query_weight, do.dtype)[:, None, None]
         dlt = dlt * cb.query_weight[:, None]
-    dlt = dlt.view(n, C, nkv, g)
-    do_h = do.view(n, C, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, nkv, g * C, d)
-    # step-0 keys: dV = P^T dO; dS = P * (dO V^T - D); dQ = dS K; dK = dS^T Q (the g query heads of a kv head summed)
-    dv_b = torch.matmul(p.view(n, nkv, g * C, S).transpose(2, 3).to(do.dtype), do_h)  # [n, nkv, S, d]
-    dp = _wide(torch.matmul(do_h, vb.permute(0, 2, 3, 1))).view(n, nkv, g, C, S)
-    ds = dp.sub_(dlt.permute(0, 2, 3, 1)[..., None]).mul_(p).mul_(scale).view(n, nkv, g * C, S).to(q.dtype)
-    dq_b = _wide(torch.matmul(ds, kb.permute(0, 2, 1, 3))).view(n, nkv, g, C, d).permute(0, 3, 1, 2, 4)
-    dk_b = torch.matmul(ds.transpose(2, 3), qb.permute(0, 2, 3, 1, 4).reshape(n, nkv, g * C, d))  # [n, nkv, S, d]
+    do_h = _by_kv_head(do.view(n * C, nkv, -1, d), n, C, nkv)  # [B, C*g, d]
+    dlt = _by_kv_head(dlt.view(n * C, nkv, -1, 1), n, C, nkv).view(B, Cg, 1)
+    dv_h = torch.bmm(_as(p, do_h.dtype).transpose(1, 2), do_h)  # [B, S, d]
+    ds = _wide(torch.bmm(do_h, vh.transpose(1, 2))).sub_(dlt).mul_(p).mul_(scale)  # [B, C*g, S]
+    ds = _as(ds, q.dtype)
+    dq_h = _wide(torch.bmm(ds, kh))  # [B, C*g, d]
+    dk_h = torch.bmm(ds.transpose(1, 2), qh)  # [B, S, d]
     if p_diag is not None:
-        do_f = _wide(do).view(n * C, nkv, g, d)
-        ds_diag = torch.matmul(do_f, vd.transpose(2, 3)).sub_(dlt.reshape(n * C, nkv, g)[..., None]).mul_(p_diag).mul_(scale)
-        dq_b = dq_b + torch.matmul(ds_diag, kd.transpose(2, 3)).view(n, C, nkv, g, d)
-        dk_diag = torch.matmul(ds_diag.transpose(2, 3), _wide(qb).view(n * C, nkv, g, d))  # [n*C, nkv, i, d]
-        dv_diag = torch.matmul(p_diag.transpose(2, 3), do_f)  # [n*C, nkv, i, d]
-        for j in range(len(d_diag) // 2):
-            cb.add_rows(d_diag[j], cb.queries, dk_diag[:, :, j])
-            cb.add_rows(d_diag[len(d_diag) // 2 + j], cb.queries, dv_diag[:, :, j])
-    cb.add_rows(dq, cb.queries, dq_b.reshape(n * C, nkv * g, d))
-    cb.add_rows(dk0, cb.keys, dk_b.permute(0, 2, 1, 3).reshape(n * S, nkv, d))
-    cb.add_rows(dv0, cb.keys, dv_b.permute(0, 2, 1, 3).reshape(n * S, nkv, d))
+        do_d = _wide(do_h).view(B * C, Cg // C, d)
+        ds_diag = torch.bmm(do_d, vd.transpose(1, 2)).sub_(dlt.view(B * C, Cg // C, 1)).mul_(p_diag).mul_(scale)
+        dq_h.view(B * C, Cg // C, d).baddbmm_(ds_diag, kd)
+        i = kd.shape[1]
+        dkd = torch.bmm(ds_diag.transpose(1, 2), _wide(qh).view(B * C, Cg // C, d)).view(B, C * i, d)
+        dvd = torch.bmm(p_diag.transpose(1, 2), do_d).view(B, C * i, d)
+        cb.add_rows(d_diag[0], cb.queries, _to_rows(dkd, n, nkv, C))
+        cb.add_rows(d_diag[1], cb.queries, _to_rows(dvd, n, nkv, C))
+    cb.add_rows(dq, cb.queries, _to_rows(dq_h, n, nkv, C))
+    cb.add_rows(dk0, cb.keys, _to_rows(dk_h, n, nkv, S))
+    cb.add_rows(dv0, cb.keys, _to_rows(dv_h, n, nkv, S))
 
 
 def chunked_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:

@@ -133,15 +133,16 @@ def test_compiled_regions_equal_eager_and_do_not_break():
     assert explain_regions(eager, mb) == {"layer 0 pre_attention": 0, "layer 0 post_attention": 0,
                                           "layer 1 pre_attention": 0, "layer 1 post_attention": 0}
     torch._dynamo.utils.counters.clear()
+    graphs = []
     for batch in (mb, shorter(mb, 31)):
         want = e_step.run([(batch, True)], 1, denominator=None)
         got = c_step.run([(batch, True)], 1, denominator=None)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.testing.assert_close(got.outputs[0][0].loss, want.outputs[0][0].loss, rtol=1e-6, atol=1e-6)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             if p.requires_grad:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames == 4, frames  # two regions x two layer kinds (first / later), compiled once for both lengths
+    assert graphs[0] >= 2 and graphs[1] == graphs[0], graphs  # compiled at the first micro-batch, not again
     torch._dynamo.reset()
 
 
