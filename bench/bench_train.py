@@ -38,7 +38,8 @@ def worker(args) -> dict:
     import torch
 
     from common.model.draft import DraftModelConfig, Eagle3DraftModel
-    from common.model.ttt import ttt_loss
+    from common.train.data import MicroBatch
+    from common.train.step import StepSettings, TrainStep
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -64,14 +65,13 @@ def worker(args) -> dict:
     ids = torch.randint(0, V, (T,))
     mask = torch.ones(T, dtype=torch.long)
     pos = torch.cat([torch.arange(s) for s in seq_lens])
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+    # 04's own training step (common.train.step): fp32 on CPU, AdamW, no clipping
+    step_fn = TrainStep(draft, lm_head, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4),
+                        StepSettings(ttt_steps=args.ttt_steps, loss_decay=0.8, grad_clip=0.0))
+    mb = MicroBatch(ids, mask, aux, final, pos, seq_lens, [str(i) for i in range(len(seq_lens))])
 
     def step():
-        out = ttt_loss(draft, aux, ids, final, mask, pos, seq_lens, lm_head, args.ttt_steps, 0.8)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return out
+        return step_fn.run([(mb, True)], 1, denominator=None).outputs[0][0]
 
     first = step()  # warm-up (allocator, lazy init); its loss is the comparison value
     base = rss_bytes()

@@ -1,11 +1,12 @@
-"""Stage-04 training throughput on a GPU: tokens/s, MFU and peak memory of the real TTT training step.
+"""Stage-04 training throughput on a GPU: tokens/s, MFU and peak memory of 04's own training step.
 
-What runs is exactly 04's inner step (common.train.trainer): the EAGLE-3 draft (common.model.draft,
-fp32 master weights, frozen target embedding inside), the TTT loss (common.model.ttt.ttt_loss) under
-bf16 autocast with the target lm_head in bf16 as the teacher, backward, grad-norm clipping and
-the AdamW step (foreach on GPU, as 04). The inputs are synthetic (random hidden states of the right shapes: the speed
-does not depend on their values): one packed row per micro-batch holding one sample of
-`seq_len` tokens, ttt_steps 7.
+What runs is 04's step itself, common.train.step.TrainStep (not a copy): the EAGLE-3 draft with fp32 master
+weights and a bf16 compute copy, frozen target embedding inside, the TTT loss with the target lm_head in bf16
+as the teacher, backward, grad-norm clipping and the AdamW step (foreach on GPU), the attention ("auto":
+flex_attention where its start-up check passes on this GPU, else chunked) and torch.compile (on CUDA)
+resolved as 04 resolves them, and printed. The inputs are synthetic (random hidden states of the right
+shapes: the speed does not depend on their values): one packed row per micro-batch holding `--samples`
+samples (default one) of seq_len / samples tokens, ttt_steps 7.
 
 Draft sizes (one decoder layer, draft vocab 32000):
   llama8b   target Llama-3.1-8B: hidden 4096, 32 heads / 8 kv, head_dim 128, intermediate 14336, vocab 128256
@@ -28,6 +29,8 @@ MFU = FLOPs per step / step time / peak dense bf16 FLOP/s of the device (table b
 
     python bench/gpu_train_bench.py                      # both drafts, seq 2048 and 4096 (GPU)
     python bench/gpu_train_bench.py --smoke              # tiny sizes on CPU (checks the script)
+    python bench/gpu_train_bench.py --count-ops          # aten ops per optimizer step at 4 x 512, 7 TTT steps (CPU or
+                                                         # GPU, eager, fp32 and bf16) and the compiled regions' graph breaks
 Writes <out>/gpu_train_bench.json (after every config, so a timeout keeps what was measured).
 """
 
@@ -309,6 +312,8 @@ def main() -> None:
                   f"{r['flops_per_step'] / 1e12:8.4g} TFLOP/step  {r['achieved_tflops']:8.4g} TFLOP/s  MFU {mfu:>6}  "
                   f"peak mem {r['peak_memory_gb']:6.2f} GB (planned {r['planned_peak_memory_gb']:.2f})  "
                   f"({r['trainable_params'] / 1e6:.1f}M trainable params)", flush=True)
+            print(f"{'':8} attention {r['attention']} ({r['attention_why']}), compile {r['compile']}, {r['precision']}, "
+                  f"first step {r['first_step_s']:.1f} s", flush=True)
             f = r["flops_breakdown"]
             print(f"{'':8} FLOPs/step: " + ", ".join(f"{k} {v / 1e9:.4g}G" for k, v in f.items() if k != "total")
                   + f" = {f['total'] / 1e9:.4g} GFLOP", flush=True)

@@ -39,8 +39,7 @@ def main() -> int:
     from common.core.config import load_config
     from common.core.errors import PipelineError
     from common.core.io import format_bytes
-    from common.train.memory_plan import (check_fits, draft_config_from, plan_memory, replanner,
-                                          target_sizes_from_config_json)
+    from common.train.memory_plan import check_fits, draft_config_from, plan_for_capacity, target_sizes_from_config_json
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -56,11 +55,11 @@ def main() -> int:
         d = draft_config_from(cfg, target)
         kw = dict(world_size=args.world_size, device_type=args.device, embed_bf16="bfloat16" in str(target["torch_dtype"]),
                   max_sample_len=args.max_sample_len or cfg.tokenize.max_seq_len)
-        plan = plan_memory(d, cfg.train, **kw)
         gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else cfg.train.gpu_memory_gb
         capacity = int(gb * 1e9) if gb is not None else None
+        plan, replan = plan_for_capacity(d, cfg.train, capacity, **kw)  # as 04 plans (checkpointing null: chosen here)
         print(f"04_train: memory plan: {plan.describe()}" + (f"; GPU capacity {format_bytes(capacity)}" if capacity else ""))
-        check_fits(plan, capacity, replanner(d, cfg.train, **kw))
+        check_fits(plan, capacity, replan)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

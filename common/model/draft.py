@@ -27,13 +27,15 @@ samples. At step i, index t of a sample of length L:
 The output at (i, t) is the prediction of x_{t+2+i}; it is meaningful iff t+2+i <= L-1.
 
 Attention implementations (`model.attention_impl`):
-  - "chunked" (default, exact on CPU and GPU): queries in chunks of `attn_chunk_size`; per chunk,
-    scores against the step-0 keys of the samples the chunk touches (block-causal mask) plus one
-    elementwise "diagonal" score per earlier step, a joint fp32 softmax, and the weighted sum.
-    Each chunk is checkpointed when gradients are needed, so the backward pass keeps only
-    q/k/v and outputs, never the [heads, T, T] probabilities of all chunks at once.
-  - "flex" (experimental): torch flex_attention over the concatenated step KV with a block mask,
-    compiled on CUDA. Checked against "naive" on CPU in eager mode (forward only); not run on CUDA yet.
+  - "chunked" (exact on CPU and GPU): `TTTAttention`, an autograd Function with a hand-written backward
+    (FlashAttention's algebra in PyTorch ops). Queries in chunks of `attn_chunk_size` rows, each seeing the
+    step-0 keys from the sample start of its first row (block-causal mask, built once per micro-batch), padded
+    and batched into a few bmm's per step, plus the step's "diagonal" keys (steps 1..i at the query's own row)
+    in one batched product, under one joint fp32 log-sum-exp. Forward keeps the output and the log-sum-exp,
+    backward recomputes the probabilities: no [heads, T, S] tensor lives between them.
+  - "flex": torch flex_attention over the concatenated step KV with a block mask per micro-batch and step
+    count, compiled on CUDA (no CPU backward). 04's "auto" picks it on a GPU where a start-up self-check
+    against "chunked" passes (common.train.step.resolve_attention).
   - "naive": the reference: the full (steps*T) x (steps*T) mask, plain softmax attention.
 """
 

@@ -1,4 +1,4 @@
-"""04's training step: the one function that 04's trainer and every benchmark run (docs/design.md#the-training-step).
+"""04's training step: the one function that 04's trainer and every benchmark run (docs/design.md#the-training-step-04).
 
     step = TrainStep(draft, teacher_head, make_optimizer, settings, env)   # draft: fp32 master weights
     result = step.run(micro_batches, count, denominator, lr)           # forward + backward each, clip, AdamW
