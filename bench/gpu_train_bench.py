@@ -206,21 +206,34 @@ def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
 
 
 def count_ops(args, device) -> dict:
-    """--count-ops: aten ops dispatched by one optimizer step (after a warm-up step) at the bench layout, eager
-    and at small widths (the count does not depend on the widths), by phase and by op; and the graph breaks of
-    the compiled regions (torch._dynamo.explain over a decoder layer's two dense halves)."""
-    from common.train.step import count_dispatched_ops, explain_regions
+    """--count-ops: the host's work per optimizer step at the bench layout, after a warm-up step, at small widths
+    (the counts do not depend on the widths): aten ops seen by a TorchDispatchMode (eager only: the method of
+    the first GPU measurement, 13,059 then), top-level aten ops in torch.profiler's record, eager and with
+    torch.compile (inductor), in fp32 and bf16; and the compiled regions' graph breaks (torch._dynamo.explain)."""
+    import torch._dynamo
+
+    from common.train.step import count_dispatched_ops, count_top_level_ops, explain_regions
 
     spec = CONFIGS["smoke-a"]
-    gen = torch.Generator(device=device).manual_seed(0)
-    report = {"layout": f"{args.samples} x {args.seq_len // args.samples} tokens, ttt_steps {args.ttt_steps}"}
+    report = {"layout": f"{args.samples} x {args.seq_len // args.samples} tokens, ttt_steps {args.ttt_steps}", "device": device.type}
     for dtype in (torch.float32, torch.bfloat16):
-        step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=False,
-                                dtype=dtype, max_len=args.seq_len)
-        batch = synthetic_batch(spec, args.seq_len, device, gen, args.samples, dtype)
-        step_fn.run([(batch, True)], 1, denominator=None)  # warm-up: AdamW's state, lazy buffers
-        total, by_op = count_dispatched_ops(lambda: step_fn.run([(batch, True)], 1, denominator=None))
-        report[str(dtype).replace("torch.", "")] = {"ops": total, "top": dict(by_op.most_common(12))}
+        row = {}
+        for compiled in (False, True):
+            gen = torch.Generator(device=device).manual_seed(0)
+            step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=compiled,
+                                    dtype=dtype, max_len=args.seq_len)
+            batch = synthetic_batch(spec, args.seq_len, device, gen, args.samples, dtype)
+            run = lambda: step_fn.run([(batch, True)], 1, denominator=None)  # noqa: E731
+            run()  # warm-up: compiles; AdamW's state, lazy buffers
+            run()
+            if not compiled:
+                total, by_op = count_dispatched_ops(run)
+                row["dispatched"] = total
+                row["dispatched_top"] = dict(by_op.most_common(8))
+            row["top_level_compiled" if compiled else "top_level_eager"] = count_top_level_ops(run)
+            torch._dynamo.reset()
+        report[str(dtype).replace("torch.", "")] = row
+    gen = torch.Generator(device=device).manual_seed(0)
     step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=False,
                             max_len=args.seq_len)
     report["graph_breaks"] = explain_regions(step_fn.compute, synthetic_batch(spec, args.seq_len, device, gen, args.samples))

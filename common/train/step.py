@@ -229,6 +229,25 @@ def count_dispatched_ops(fn) -> tuple[int, "collections.Counter"]:
     return sum(counter.by_op.values()), counter.by_op
 
 
+def count_top_level_ops(fn) -> int:
+    """aten ops called from Python (or from compiled code) while fn() runs, from torch.profiler's record: ops
+    nested in another aten op are not counted. Unlike count_dispatched_ops it works under torch.compile (a
+    dispatch mode makes dynamo fall back), where a fused kernel is no aten op at all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def top_level(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and top_level(e))
+
+
 def explain_regions(draft: Eagle3DraftModel, mb) -> dict:
     """torch._dynamo.explain over each decoder layer's two compiled regions (DecoderLayer.pre_attention and
     post_attention), on a micro-batch's step-0 inputs: {region: graph breaks}."""
