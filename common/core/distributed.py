@@ -116,7 +116,19 @@ def wrap_parallel(draft: nn.Module, env: DistEnv, parallel: str, dtype: torch.dt
         # the steps and stays gathered through their backward (a 1-layer draft has nothing to overlap with).
         fully_shard(draft, mp_policy=mp, ignored_params=frozen, reshard_after_forward=False)
         return draft
-    return DDP(draft, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
+    ddp = DDP(draft, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
+    if any(p.dtype != torch.float32 for p in draft.parameters() if p.requires_grad):
+        ddp.register_comm_hook(None, fp32_allreduce_hook)  # bf16 compute copy: average its gradients in fp32
+    return ddp
+
+
+def fp32_allreduce_hook(process_group, bucket):
+    """DDP comm hook: a bucket of bf16 gradients summed over the ranks in fp32 and rounded once (a bf16 ring
+    all-reduce rounds at every hop), averaged as DDP's own reduction."""
+    buffer = bucket.buffer()
+    wide = buffer.float().div_(dist.get_world_size(process_group))
+    future = dist.all_reduce(wide, group=process_group, async_op=True).get_future()
+    return future.then(lambda f: buffer.copy_(f.value()[0]))
 
 
 class NamedSums:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from common.core.distributed import DistEnv
+from common.core.errors import ConfigError
 from common.model.draft import Eagle3DraftModel
 from common.model.ttt import TTTOutput, ttt_loss
 
@@ -163,6 +164,9 @@ def resolve_attention(requested: str, config, device: torch.device) -> tuple[str
     """train.attention_impl resolved: "auto" = flex where its backward runs and agrees with the chunked
     attention on this device (checked here on a small problem: CUDA only, flex has no CPU backward), else
     chunked. Returns (impl, why), printed by 04."""
+    if requested == "flex" and device.type != "cuda":
+        raise ConfigError("train.attention_impl=flex needs a CUDA GPU (flex_attention has no backward on CPU); set it "
+                          "to auto or chunked")
     if requested != "auto":
         return requested, "train.attention_impl"
     if device.type != "cuda":
@@ -208,7 +212,7 @@ def resolve_compile(requested: Optional[bool], device: torch.device) -> tuple[bo
     return (True, "CUDA") if device.type == "cuda" else (False, "CPU")
 
 
-def count_dispatched_ops(fn) -> tuple[int, "collections.Counter"]:
+def count_dispatched_ops(fn) -> tuple[int, dict]:
     """(aten ops dispatched while fn() runs, by op name): what the host does per op whatever the op's size
     (bench/gpu_train_bench.py --count-ops; a test bounds it)."""
     import collections

@@ -38,7 +38,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import random
 import shutil
 import time
@@ -46,7 +45,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from common.model.acceptance import describe as describe_acceptance
@@ -542,7 +540,7 @@ class Trainer:
                 pass
 
     def train_step(self) -> None:
-        t, env, K = self.t, self.env, self.K
+        t, env = self.t, self.env
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, self.t)
         mine, real, next_pos = self.data.step_micro_batches(self.pos)

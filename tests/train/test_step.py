@@ -175,3 +175,35 @@ def test_ops_per_step_at_the_bench_layout():
     ops, _ = count_dispatched_ops(lambda: step.run([(mb, True)], 1, denominator=None))
     print(f"aten ops per optimizer step: {ops}")
     assert ops <= 4000, ops
+
+
+def test_ddp_reduces_bf16_gradients_in_fp32(tmp_path):
+    """The bf16 compute copy under DDP: the comm hook sums a bucket in fp32 and rounds once; with one process the
+    gradients equal the unwrapped copy's exactly (the hook's fp32 round trip of bf16 values is lossless)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from common.core.distributed import fp32_allreduce_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model, mb, lm_head = setup()
+        plain = TrainStep(copy.deepcopy(model), lm_head.bfloat16(), adamw,
+                          StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP, dtype=torch.bfloat16))
+
+        def wrap(m):
+            ddp = DDP(m, broadcast_buffers=False)
+            ddp.register_comm_hook(None, fp32_allreduce_hook)
+            return ddp
+
+        wrapped = TrainStep(model, lm_head.bfloat16(), adamw,
+                            StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP, dtype=torch.bfloat16), wrap=wrap)
+        bf16_mb = MicroBatch(mb.input_ids, mb.loss_mask, mb.aux_hidden.bfloat16(), mb.final_hidden.bfloat16(),
+                             mb.position_ids, mb.seq_lens, mb.sample_ids)
+        for step in (plain, wrapped):
+            assert step.run([(bf16_mb, True)], 1, denominator=None).applied
+        assert wrapped.ddp
+        for a, b in zip(plain.params, wrapped.params):
+            assert torch.equal(a.grad, b.grad) and torch.equal(a.detach(), b.detach())
+    finally:
+        dist.destroy_process_group()
