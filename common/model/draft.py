@@ -390,18 +390,22 @@ class ChunkBatch:
 
     queries: torch.Tensor  # [n * C] row of each query (the last chunk's padding repeats its last row; dropped)
     keys: torch.Tensor  # [n * S] row of each padded step-0 key
-    bias: torch.Tensor  # [n, C, S] fp32: 0 where the query may see the key (same sample, key <= query), else -inf
+    blocked: torch.Tensor  # [n, C, S] bool: True where the query may not see the key (other sample, later, padding)
     query_weight: torch.Tensor | None  # [n * C] 1.0 for a real query, 0.0 for padding (None: no padding)
     whole_rows: bool = False  # queries and keys are rows 0..T-1 in order (equal whole samples): no gathers
 
-    def rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return x if self.whole_rows else x.index_select(0, index)
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.blocked.shape)
 
     @property
-    def bias5(self) -> torch.Tensor:
-        """bias as [n, 1, C, 1, S]: broadcast over kv heads and the g query heads of each."""
-        n, C, S = self.bias.shape
-        return self.bias.view(n, 1, C, 1, S)
+    def blocked5(self) -> torch.Tensor:
+        """blocked as [n, 1, C, 1, S]: broadcast over kv heads and the g query heads of each."""
+        n, C, S = self.blocked.shape
+        return self.blocked.view(n, 1, C, 1, S)
+
+    def rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x if self.whole_rows else x.index_select(0, index)
 
     def add_rows(self, total: torch.Tensor, index: torch.Tensor, part: torch.Tensor) -> None:
         part = _as(part, total.dtype)
@@ -442,22 +446,23 @@ def plan_chunks(layout: PackedLayout, chunk_size: int, pairs_budget: int, device
             trial = [c]
         group = trial
     groups.append(group)
-    batches, sample, T = [], layout.sample.cpu(), layout.num_tokens
+    # the masks are built on the device in a few tensor ops (a long micro-batch has 10^8 query-key pairs);
+    # 1 byte per pair, kept for the micro-batch (common.train.memory_plan counts it)
+    batches, sample, T = [], layout.sample, layout.num_tokens
     for group in groups:
         n, S = len(group), max(b - lo for _, b, lo in group)
-        queries = torch.tensor([min(a + j, b - 1) for a, b, _ in group for j in range(C)], dtype=torch.long)
-        keys = torch.tensor([min(lo + j, b - 1) for _, b, lo in group for j in range(S)], dtype=torch.long)
-        q_real = torch.tensor([a + j < b for a, b, _ in group for j in range(C)]).view(n, C)
-        k_real = torch.tensor([lo + j < b for _, b, lo in group for j in range(S)]).view(n, S)
-        qi, ki = queries.view(n, C), keys.view(n, S)
+        a, b, lo = (torch.tensor(col, device=sample.device)[:, None] for col in zip(*group))
+        qi, ki = a + torch.arange(C, device=sample.device), lo + torch.arange(S, device=sample.device)
+        q_real, k_real = qi < b, ki < b
+        qi, ki = torch.minimum(qi, b - 1), torch.minimum(ki, b - 1)
         allowed = (sample[qi][:, :, None] == sample[ki][:, None, :]) & (ki[:, None, :] <= qi[:, :, None])
         allowed &= q_real[:, :, None] & k_real[:, None, :]
         allowed[:, :, 0] |= ~q_real  # a padded query sees one key: a finite softmax, its output is dropped
-        bias = torch.zeros(n, C, S).masked_fill_(~allowed, float("-inf"))
-        in_order = torch.arange(T)
-        whole = len(groups) == 1 and torch.equal(queries, in_order) and torch.equal(keys, in_order)
-        weight = None if bool(q_real.all()) else q_real.flatten().float().to(device)
-        batches.append(ChunkBatch(queries.to(device), keys.to(device), bias.to(device), weight, whole))
+        # equal whole chunks that start their own keys: queries and keys are the rows in order
+        whole = len(groups) == 1 and all(lo_ == a_ and b_ - a_ == C == S for a_, b_, lo_ in group) and n * C == T
+        weight = None if bool(q_real.all()) else q_real.flatten().float()
+        batches.append(ChunkBatch(qi.flatten().to(device), ki.flatten().to(device), (~allowed).to(device),
+                                  None if weight is None else weight.to(device), whole))
     return ChunkPlan(batches, T)
 
 
@@ -522,7 +527,7 @@ def _batch_inputs(cb: "ChunkBatch", q, k0, v0, diag):
     """The chunk batch's queries [n*nkv, C*g, d], keys and values [n*nkv, S, d] (one matrix per chunk and kv
     head; query rows ordered (c, g)), and the diag keys [n*nkv*C, d, i] and values [n*nkv*C, i, d] at the
     queries' rows (wide: fp32)."""
-    n, C, S = cb.bias.shape
+    n, C, S = cb.shape
     nkv, d = k0.shape[1], k0.shape[2]
     qh = _by_kv_head(cb.rows(q, cb.queries).view(n * C, nkv, -1, d), n, C, nkv)
     kh = _by_kv_head(cb.rows(k0, cb.keys).view(n * S, nkv, 1, d), n, S, nkv)
@@ -538,11 +543,11 @@ def _batch_inputs(cb: "ChunkBatch", q, k0, v0, diag):
 def _probabilities(cb: "ChunkBatch", qh, kh, kd, lse=None):
     """Softmax probabilities of the chunk batch over its step-0 keys [n*nkv, C*g, S] and its diag keys
     [n*nkv*C, g, i] (None without), and the log-sum-exp [n*nkv, C*g] (given in backward: from forward)."""
-    n, C, S = cb.bias.shape
+    n, C, S = cb.shape
     B, Cg, d = qh.shape
     scale = d**-0.5
     scores = _wide(torch.bmm(qh, kh.transpose(1, 2)))  # [B, C*g, S]
-    scores.view(n, B // n, C, Cg // C, S).mul_(scale).add_(cb.bias5)
+    scores.view(n, B // n, C, Cg // C, S).mul_(scale).masked_fill_(cb.blocked5, float("-inf"))
     diag_scores = None
     if kd is not None:
         diag_scores = torch.bmm(_wide(qh).view(B * C, Cg // C, d), kd.transpose(1, 2)).mul_(scale)  # [B*C, g, i]
@@ -556,7 +561,7 @@ def _probabilities(cb: "ChunkBatch", qh, kh, kd, lse=None):
 
 
 def _attend_forward(cb: "ChunkBatch", q, k0, v0, diag):
-    n, C, _ = cb.bias.shape
+    n, C, _ = cb.shape
     nkv = k0.shape[1]
     qh, kh, vh, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
     B, Cg, d = qh.shape
@@ -571,7 +576,7 @@ def _attend_backward(cb: "ChunkBatch", q, k0, v0, diag, lse, grad_out, delta, dq
     """Adds the chunk batch's gradients into dq, dk0, dv0 and d_diag ([T, nkv, i, d]; index_add: key rows repeat
     across chunks). FlashAttention's algebra: dV = P^T dO; dS = P * (dO V^T - D) * scale; dQ = dS K; dK = dS^T Q
     (the g query heads of a kv head are rows of one matrix: their dK and dV sum in the matmul)."""
-    n, C, S = cb.bias.shape
+    n, C, S = cb.shape
     nkv = k0.shape[1]
     qh, kh, vh, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
     B, Cg, d = qh.shape

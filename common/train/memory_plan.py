@@ -127,7 +127,8 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     # -- the micro-batch and the teacher ------------------------------------------------------------
     batch = T * ((A + 1) * Ht * c + 3 * 8)
     teacher = T * (4 * Vd + 8 + 1)  # log-probs, argmax, in_draft_vocab
-    bookkeeping = T * (6 * 8 + K)  # packed layout, counted masks
+    # packed layout, counted masks, and the attention's masks: 1 byte per padded query-key pair of every chunk
+    bookkeeping = T * (6 * 8 + K) + math.ceil(T / C) * C * S
 
     # -- saved activations per TTT step ---------------------------------------------------------------
     a = c  # activations (linear outputs under autocast, layer outputs)
