@@ -66,10 +66,13 @@ class ComputeCopy:
 
     @torch.no_grad()
     def grads_to_master(self) -> None:
-        """The copy's gradients (bf16) into the masters' .grad (fp32), allocated once."""
+        """The copy's gradients (bf16) into the masters' .grad (fp32, allocated once and overwritten every step:
+        nothing needs zeroing); the copy's are dropped."""
         for m, c in zip(self.master_params, self.params):
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
+            if c.grad is None:  # a parameter no loss reached this step
+                c.grad = torch.zeros_like(c)
         torch._foreach_copy_([m.grad for m in self.master_params], [c.grad for c in self.params])
         for c in self.params:
             c.grad = None
@@ -127,15 +130,16 @@ class TrainStep:
                             mb.seq_lens, self.teacher_head, self.s.ttt_steps, self.s.loss_decay, denominator=denominator,
                             per_position=per_position)
 
-    def run(self, micro_batches: Iterable, count: int, denominator: float, lr: Optional[float] = None) -> StepResult:
+    def run(self, micro_batches: Iterable, count: int, denominator: Optional[float], lr: Optional[float] = None) -> StepResult:
         """micro_batches yields `count` pairs (micro-batch on the device, real): a stand-in (real False) keeps
         the collectives of a rank that ran out of data in step, with weight 0. Each loss is a sum divided by
         `denominator` (the whole global step's count), so the gradient is the mean over the global batch;
-        DDP/FSDP average over ranks, hence x world_size."""
+        DDP/FSDP average over ranks, hence x world_size. denominator None: each micro-batch's own step-0 count."""
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.copy is None:  # with a copy, its gradients start at None and overwrite the masters'
+            self.optimizer.zero_grad(set_to_none=True)
         result = StepResult()
         for j, (mb, real) in enumerate(micro_batches):
             last = j == count - 1
