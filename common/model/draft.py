@@ -500,12 +500,16 @@ class TTTAttention(torch.autograd.Function):
         # D = rowsum(dO * O), the softmax's backward term shared by every key of a query row
         delta = (_wide(grad_out) * _wide(out)).sum(dim=-1)  # [T, nh]
         grad_out = _as(grad_out, q.dtype)
-        dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        # summed in fp32 (a key row is seen by several chunks of a long sample), returned in the inputs' dtype
+        acc = _wide(q[:0]).dtype
+        dq, dk0, dv0 = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k0, v0))
         # the diag keys' and values' gradients of every earlier step at once: [T, nkv, i, d] each
-        d_diag = [k0.new_zeros(k0.shape[0], k0.shape[1], n_diag, k0.shape[2]) for _ in range(2)] if n_diag else []
+        T, nkv, d = k0.shape
+        d_diag = [torch.zeros(T, nkv, n_diag, d, dtype=acc, device=k0.device) for _ in range(2)] if n_diag else []
         for cb, lse in zip(plan.batches, lses):
             _attend_backward(cb, q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag)
-        return (None, dq, dk0, dv0, *[g for d in d_diag for g in d.unbind(2)])
+        return (None, _as(dq, q.dtype), _as(dk0, k0.dtype), _as(dv0, v0.dtype),
+                *[_as(g, k0.dtype) for d_ in d_diag for g in d_.unbind(2)])
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
