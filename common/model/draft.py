@@ -519,7 +519,8 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _by_kv_head(x: torch.Tensor, n: int, rows: int, nkv: int) -> torch.Tensor:
     """[n * rows, nkv, r, d] rows of n chunks (r = g query heads of a kv head, or steps) -> [n * nkv, rows * r, d]:
     one matrix per (chunk, kv head), as bmm wants them."""
-    return x.view(n, rows, nkv, -1).transpose(1, 2).reshape(n * nkv, -1, x.shape[-1])
+    # contiguous: reshape may return a strided view (one chunk, or one kv head), which later views cannot split
+    return x.view(n, rows, nkv, -1).transpose(1, 2).reshape(n * nkv, -1, x.shape[-1]).contiguous()
 
 
 def _to_rows(x: torch.Tensor, n: int, nkv: int, rows: int) -> torch.Tensor:

@@ -213,9 +213,10 @@ def test_ttt_mask_matches_spec_example():
 
 @pytest.mark.parametrize("seq_lens,chunk", [([9], 4), ([5, 1, 7, 3], 3), ([2, 11, 4], 5), ([6, 6], 100)])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_chunked_attention_equals_naive_outputs_and_grads(seq_lens, chunk, steps):
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (2, 2), (3, 1)])  # GQA, MHA (Kimi's draft), one kv head
+def test_chunked_attention_equals_naive_outputs_and_grads(seq_lens, chunk, steps, nh, nkv):
     torch.manual_seed(0)
-    T, nh, nkv, d = sum(seq_lens), 6, 2, 8
+    T, d = sum(seq_lens), 8
     q = torch.randn(T, nh, d, requires_grad=True)
     ks = [torch.randn(T, nkv, d, requires_grad=True) for _ in range(steps)]
     vs = [torch.randn(T, nkv, d, requires_grad=True) for _ in range(steps)]
