@@ -36,10 +36,11 @@ from common.model.draft import PackedLayout, squeeze_row
 
 
 LOSS_CHUNK_ROWS = 4096  # rows per chunk of the fused lm_head + loss: [4096, V_d] fp32 (0.5 GB at V_d 32000)
+TEACHER_CHUNK_ROWS = 1024  # rows per chunk of the teacher: [1024, V] fp32 logits (0.7 GB at Kimi's V 163840)
 
 
 @torch.no_grad()
-def teacher_from_final_hidden(final_hidden, lm_head_weight, t2d, chunk_tokens: int = 1024, d2t=None):
+def teacher_from_final_hidden(final_hidden, lm_head_weight, t2d, chunk_tokens: int = TEACHER_CHUNK_ROWS, d2t=None):
     """Target teacher from the target's final hidden state (after its final norm).
 
     final_hidden [T, H_t], lm_head_weight [V, H_t], t2d [V] bool. Returns
@@ -155,7 +156,8 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
     T = input_ids.shape[0]
     layout = PackedLayout.build(seq_lens, T, device)
     if teacher is None:
-        teacher = teacher_from_final_hidden(final_hidden, lm_head_weight, draft.t2d, chunk_tokens, d2t=draft.d2t)
+        teacher = teacher_from_final_hidden(final_hidden, lm_head_weight, draft.t2d, min(chunk_tokens, TEACHER_CHUNK_ROWS),
+                                            d2t=draft.d2t)
     teacher_logp, teacher_argmax = teacher
     in_draft_vocab = draft.t2d[teacher_argmax]  # [T]: the target's top-1 at that position has a draft id
 

@@ -45,7 +45,7 @@ from common.core.io import format_bytes
 
 # Fixed sizes of the code (kept in step with common/model/ttt.py and common/model/draft.py)
 LOSS_CHUNK_ROWS = 4096  # ttt.LOSS_CHUNK_ROWS: rows per chunk of the fused lm_head + loss
-TEACHER_CHUNK_ROWS = 1024  # teacher_from_final_hidden chunk_tokens
+TEACHER_CHUNK_ROWS = 1024  # ttt.TEACHER_CHUNK_ROWS
 ATTN_CHUNK = 512  # Eagle3DraftModel.attn_chunk_size
 # What the planner leaves free on a GPU of C bytes: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation are not tensors: refuse above C * USABLE_FRACTION.
