@@ -64,7 +64,7 @@ class MemoryPlan:
         par = s["parallel"] if s["world_size"] > 1 else "1 process"
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.terms.items() if v > 0)
         return (f"peak ~{format_bytes(self.peak)} per GPU at the {self.phase} ({par} x{s['world_size']}, "
-                f"{s['dtype']}, {s['trainable_params'] / 1e6:.0f}M trainable params, batch_max_tokens {s['batch_max_tokens']}, "
+                f"{s['dtype']}, {s['trainable_params'] / 1e6:.1f}M trainable params, batch_max_tokens {s['batch_max_tokens']}, "
                 f"ttt_steps {s['ttt_steps']}, gradient_checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
                 f"{' (auto)' if s.get('gradient_checkpointing_auto') else ''}): {parts}")
 
