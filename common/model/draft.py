@@ -336,14 +336,16 @@ class PackedLayout:
         offset = torch.arange(num_tokens, device=device) - start
         return cls(seq_lens, sample, start, offset, lens[sample], starts)
 
-    def shifted(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index of the token k places later, clamped into the row; whether it is in the same sample)."""
+    def shifted(self, k: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index of the token k places later, clamped into the row; whether it is in the same sample): [T] each,
+        or [K, T] for a column of K shifts k [K, 1]."""
         T = self.num_tokens
         idx = (torch.arange(T, device=self.sample.device) + k).clamp_(max=T - 1)
         return idx, self.offset + k <= self.length - 1
 
-    def step_valid(self, step: int) -> torch.Tensor:
-        """[T] bool: step `step` at t has a target inside the sample (t + 2 + step <= L - 1)."""
+    def step_valid(self, step: int | torch.Tensor) -> torch.Tensor:
+        """[T] bool: step `step` at t has a target inside the sample (t + 2 + step <= L - 1); [K, T] for a
+        column of steps [K, 1]."""
         return self.offset + 2 + step <= self.length - 1
 
 

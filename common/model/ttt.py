@@ -164,8 +164,7 @@ def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids
     # counted[i, t]: step i at t has a target inside its sample whose token carries a loss (t + 2 + i <= L - 1
     # and loss_mask[t + 2 + i]); all steps at once, and their rows read to the host in one sync
     steps = torch.arange(ttt_steps, device=device)[:, None]
-    target_idx = (torch.arange(T, device=device)[None, :] + 2 + steps).clamp_(max=T - 1)
-    counted = (layout.offset[None, :] + 2 + steps <= layout.length[None, :] - 1) & loss_mask[target_idx]
+    counted = layout.step_valid(steps) & loss_mask[layout.shifted(2 + steps)[0]]
     step_counts = counted.sum(dim=1)
     rows_all = torch.nonzero(counted.flatten(), as_tuple=False).squeeze(1)
     counts = step_counts.tolist()
