@@ -10,12 +10,14 @@ A stage script is a thin wrapper:
 User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130. Processes a stage starts
 (vLLM's engine, an api_server) are stopped when the stage dies, SIGKILL included (common.core.reaper). Each stage holds
 an exclusive lock on run_dir for its life (common.core.run_folder.stage_lock): a second copy on the
-same run_dir exits 2 naming the holder's pid.
+same run_dir exits 2 naming the holder's pid, and so does --overwrite while a stage that reads this
+stage's outputs runs (run_folder.READS_FROM).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -42,17 +44,20 @@ def build_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def _stage_lock(cfg, stage: str):
-    """One copy of a stage per run_dir. Under torchrun only global rank 0 takes it: the ranks of
-    one launch are one copy (a second launch fails on its rank 0, and torchrun stops the rest)."""
-    import contextlib
-    import os
-
-    from common.core.run_folder import stage_lock
+@contextlib.contextmanager
+def _stage_lock(cfg, stage: str, overwrite: bool):
+    """One copy of a stage per run_dir, and no --overwrite while a stage that reads this one's outputs
+    runs. Under torchrun only global rank 0 takes the lock: the ranks of one launch are one copy (a
+    second launch fails on its rank 0, and torchrun stops the rest)."""
+    from common.core.run_folder import refuse_overwrite_while_read, stage_lock
 
     if int(os.environ.get("RANK", "0")) != 0:
-        return contextlib.nullcontext()
-    return stage_lock(cfg.run_dir, stage)
+        yield
+        return
+    with stage_lock(cfg.run_dir, stage):
+        if overwrite:
+            refuse_overwrite_while_read(cfg.run_dir, stage)
+        yield
 
 
 _RELAY_SOCKETS: list = []
@@ -134,7 +139,7 @@ def stage_main(
     relay_signals_to_main_thread(prog)  # Ctrl-C exits 130 at any moment, even while vLLM's engine starts
     try:
         cfg = load_config(args.config, args.overrides)
-        with _stage_lock(cfg, prog):
+        with _stage_lock(cfg, prog, getattr(args, "overwrite", False)):
             code = run(cfg, args)
     except PipelineError as e:
         print(f"error: {printable(str(e))}", file=sys.stderr)

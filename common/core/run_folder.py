@@ -27,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -358,11 +359,13 @@ class StageManifest:
     """
 
     def __init__(self, layout: Layout, stage: str, inputs: dict[str, str | os.PathLike] | None = None,
-                 settings: dict | None = None, redo_on: Iterable[str] = (), added_later: Iterable[str] = ()):
+                 settings: dict | None = None, redo_on: Iterable[str] = (), added_later: Iterable[str] = (),
+                 replaced: dict[str, str] | None = None):
         """inputs: {name: path (hashed here) or a precomputed fingerprint string}. redo_on: input
         names or setting keys whose change means "redo those outputs" instead of an error.
         added_later: inputs this code records that an older one did not: a manifest without them is
-        not a change (a run folder made before keeps working; the next write records them)."""
+        not a change (a run folder made before keeps working; the next write records them). replaced:
+        {setting an older one recorded: the setting this code records instead}: not a change either."""
         self.layout, self.stage = layout, stage
         self.path = layout.manifest(stage)
         self.inputs = {name: (value if isinstance(value, str) else content_fingerprint(layout, value))
@@ -370,6 +373,7 @@ class StageManifest:
         self.settings = json.loads(json.dumps(settings or {}, sort_keys=True, default=str))
         self.redo_on = set(redo_on)
         self.added_later = set(added_later)
+        self.replaced = dict(replaced or {})
         self.previous = read_manifest(layout, stage)
 
     # -- deciding
@@ -380,8 +384,14 @@ class StageManifest:
         old_inputs, old_settings = self.previous.get("inputs") or {}, self.previous.get("settings") or {}
         changed = [name for name in sorted(set(old_inputs) | set(self.inputs)) if old_inputs.get(name) != self.inputs.get(name)
                    and not (name in self.added_later and name not in old_inputs)]
-        changed += [key for key in sorted(set(old_settings) | set(self.settings)) if old_settings.get(key) != self.settings.get(key)]
+        changed += [key for key in sorted(set(old_settings) | set(self.settings)) if old_settings.get(key) != self.settings.get(key)
+                    and not self._replaced(key, old_settings)]
         return [c for c in changed if c not in self.redo_on], [c for c in changed if c in self.redo_on]
+
+    def _replaced(self, key: str, old_settings: dict) -> bool:
+        """An older manifest's setting that this code records under another key (either of the two)."""
+        old_key = next((old for old, new in self.replaced.items() if key in (old, new)), None)
+        return old_key is not None and old_key in old_settings and self.replaced[old_key] not in old_settings
 
     def mismatch_error(self, changed: list[str]) -> PipelineError:
         """DataError when an input file changed, ConfigError when only settings did."""
@@ -485,6 +495,11 @@ class StageBusy(PipelineError):
     """Another process holds the stage's lock."""
 
 
+# A probe of another stage's lock (lock_holder) holds it shared for a moment: a stage starting in that
+# moment retries this long before it calls the lock busy.
+_LOCK_RETRY_S = 0.5
+
+
 @contextlib.contextmanager
 def stage_lock(run_dir: str | os.PathLike, stage: str) -> Iterator[None]:
     """Hold run_dir/stages/<stage>.lock exclusively for the block (flock: released by the OS
@@ -494,20 +509,69 @@ def stage_lock(run_dir: str | os.PathLike, stage: str) -> Iterator[None]:
     try:
         layout.stages.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except PermissionError as e:
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
         raise PipelineError(f"cannot create the stage lock {path} ({e.strerror}); make run_dir {layout.run_dir} writable "
                             f"or point run_dir elsewhere") from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            raise StageBusy(
-                f"{stage} is already running on {layout.run_dir} (pid {holder}, lock {path}); wait for it to finish "
-                f"or stop that process, then rerun"
-            ) from None
+        deadline = time.monotonic() + _LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                raise StageBusy(
+                    f"{stage} is already running on {layout.run_dir} (pid {holder}, lock {path}); wait for it to finish "
+                    f"or stop that process, then rerun"
+                ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # closing releases the flock; the file stays (unlinking it would race a waiter)
+
+
+def lock_holder(run_dir: str | os.PathLike, stage: str) -> str | None:
+    """The pid (as written in the lock file) of the process running `stage` on run_dir, or None when
+    none does. Probes with a shared, non-blocking flock that is dropped at once; touches nothing."""
+    path = Layout.of(run_dir).lock(stage)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # never locked here
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+# Which stages read which stages' outputs while they run (docs/design.md#run-folder). --overwrite
+# deletes a stage's outputs, so it is refused while a reader of them runs: a reader would go on with
+# files of two generations (02 --overwrite under a running 04 gave a draft labelled with the old aux ids).
+READS_FROM = {
+    "01b_generate_synthetic": ("01_prepare_data",),
+    "02_extract_hidden": ("01b_generate_synthetic",),
+    "03_build_vocab_map": ("01b_generate_synthetic",),
+    "04_train": ("02_extract_hidden", "03_build_vocab_map"),
+    "05_evaluate": ("01_prepare_data", "04_train"),
+}
+
+
+def refuse_overwrite_while_read(run_dir: str | os.PathLike, stage: str) -> None:
+    """Raise StageBusy when a stage that reads `stage`'s outputs is running on run_dir."""
+    for reader, sources in READS_FROM.items():
+        holder = lock_holder(run_dir, reader) if stage in sources else None
+        if holder is not None:
+            raise StageBusy(
+                f"{stage} --overwrite would delete what {reader} is reading: {reader} is running on "
+                f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")

@@ -295,13 +295,13 @@ def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict
     if manifest.begin(overwrite, outputs=[prompts_path, report_path]) == "complete":
         manifest.record("already_complete")
         return {**read_json(report_path), "status": "already_complete"}
-    # Rebuilding: the old report goes first, so a crash below never leaves it next to a half-new state.
-    report_path.unlink(missing_ok=True)
     t0 = time.time()
     scan = scan_source(cfg.data, progress)
     out_rows = assign_ids(scan, cfg.data)
     if not out_rows:
-        raise no_usable_prompts(cfg.data, scan)
+        raise no_usable_prompts(cfg.data, scan)  # a refusal leaves the previous outputs as they were
+    # Rebuilding: the old report goes first, so a crash below never leaves it next to a half-new state.
+    report_path.unlink(missing_ok=True)
     write_jsonl_atomic(prompts_path, out_rows)
     report = make_report(cfg.data, scan, out_rows, time.time() - t0)
     atomic_write_json(report_path, report)

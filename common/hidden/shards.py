@@ -254,6 +254,10 @@ def index_header(settings: dict, target_model: str, inputs: dict, target_weights
     }
 
 
+# The fields build_index adds to the header: they grow as 02 writes shards (under rounds, all run long).
+INDEX_SHARD_FIELDS = ("complete", "num_shards", "num_planned_shards", "num_tokens", "num_samples", "bytes", "splits", "shards")
+
+
 def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict]) -> dict:
     """index.json: the header, the planned shards that have entries (plan order), per-split counts."""
     shards = [entries[s["file"]] for s in plan_shards if s["file"] in entries]

@@ -227,13 +227,17 @@ def check_fits(plan: MemoryPlan, capacity: Optional[int], replan) -> None:
     if plan.peak <= usable:
         return
     s = plan.setting
-    fixes = []
+    # Only what the planner says fits is suggested (a fix that does not fit either is no advice).
+    switches = {}
     if not s["gradient_checkpointing"]:
-        p = replan(gradient_checkpointing=True)
-        fixes.append(f"set train.gradient_checkpointing: true (~{format_bytes(p.peak)})")
+        switches["gradient_checkpointing"] = (True, "set train.gradient_checkpointing: true")
     if s["world_size"] > 1 and s["parallel"] != "fsdp":
-        p = replan(parallel="fsdp")
-        fixes.append(f"use train.parallel: fsdp (~{format_bytes(p.peak)})")
+        switches["parallel"] = ("fsdp", "use train.parallel: fsdp")
+    fixes = []
+    for names in [[n] for n in switches] + ([list(switches)] if len(switches) > 1 else []):
+        p = replan(**{n: switches[n][0] for n in names})
+        if p.peak <= usable and not (len(names) > 1 and fixes):  # both together only when neither alone fits
+            fixes.append(f"{' and '.join(switches[n][1] for n in names)} (~{format_bytes(p.peak)})")
     lo, hi = 0, s["batch_max_tokens"]  # the largest batch_max_tokens that fits as configured otherwise
     while hi - lo > 1:
         mid = (lo + hi) // 2

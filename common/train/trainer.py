@@ -64,7 +64,7 @@ from common.train.tensorboard import TensorBoard
 from common.train.data import DataPosition, Round, TrainData
 from common.train.ledger import LEDGER_FILE, SampleLedger
 from common.hidden.stream import StreamWait
-from common.hidden.shards import (HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
+from common.hidden.shards import (INDEX_SHARD_FIELDS, HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
                                   write_consumed)
 from common.train.step import StepSettings, TrainStep, resolve_attention, resolve_compile
 from common.train.memory_plan import check_fits, gpu_capacity, plan_for_capacity
@@ -135,7 +135,10 @@ class Trainer:
         recorded = self.index.raw.get("target_weights")  # rank 0 hashes (cached by size and mtime), the others get it
         if recorded:
             check_safetensors_readable(cfg.target.model)  # a damaged file is named as such, not as "other weights"
-        current = broadcast_object(target_fingerprint(layout, cfg.target.model) if env.is_main and recorded else None, env)
+        current = broadcast_object(target_fingerprint(layout, cfg.target.model) if env.is_main else None, env)
+        # the target as 04's outputs depend on it: its content (the same weights at another path are the
+        # same target), or the hub id when it is not a local folder
+        self.target_id = current or cfg.target.model
         if recorded and recorded != current:
             raise DataError(
                 f"the hidden states in {layout.hidden} were extracted from other target weights than those in "
@@ -148,6 +151,7 @@ class Trainer:
                 f"{self.info.hidden_size}; they come from another model: rerun 02_extract_hidden.py --overwrite"
             )
         self.d2t, self.t2d = load_vocab_map(layout.vocab_map, self.info.vocab_size, cfg.vocab.draft_vocab_size)
+        self.inputs_at_start = broadcast_object(self.inputs_identity() if env.is_main else None, env)
         self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
 
         self.dtype = resolve_precision(cfg, env.device)
@@ -416,6 +420,8 @@ class Trainer:
 
     def run(self, overwrite: bool) -> int:
         env, t = self.env, self.t
+        if overwrite:  # every refusal comes before --overwrite deletes train/ (it may hold a finished draft)
+            self.check_can_train()
         status = self.check_outputs(overwrite)
         if status == "complete":
             self.say(f"04_train: already complete ({self.total_steps} steps, draft in {self.layout.final}); nothing to do "
@@ -423,12 +429,8 @@ class Trainer:
             if env.is_main:
                 self.manifest.record("already_complete")
             return 0
-        capacity = self.capacity
-        self.say(f"04_train: memory plan: {self.memory_plan.describe()}"
-                 + (f"; GPU capacity {format_bytes(capacity)}" if capacity is not None else ""))
-        check_fits(self.memory_plan, capacity, self.replan)
-        if self.plan is None:
-            verify_shard_files(self.index, self.layout, env, self.cfg.extract.verify)
+        if not overwrite:
+            self.check_can_train()
         if env.is_main:
             self.layout.train.mkdir(parents=True, exist_ok=True)
             for stale in self.layout.checkpoint_tmps():
@@ -462,8 +464,11 @@ class Trainer:
                 round_done = self.plan is not None and (self.pos.epoch != this_round or done)
                 if self.step % t.log_every == 0 or done:
                     self.log()
+                eval_due = (t.eval_every > 0 and self.step % t.eval_every == 0) or done
+                if eval_due or self.step % t.checkpoint_every == 0 or self.pos.epoch != this_round or done:
+                    self.check_inputs_unchanged()  # before anything is saved, chosen as best or exported
                 new_best = False
-                if (t.eval_every > 0 and self.step % t.eval_every == 0) or done:
+                if eval_due:
                     report = self.evaluate()
                     self.last_eval = report or self.last_eval
                     new_best = self.update_best(report)
@@ -482,6 +487,57 @@ class Trainer:
         finally:
             self.close_logs()
         return 0
+
+    def check_can_train(self) -> None:
+        """The refusals that need no model: the memory plan (printed) against the GPU, the shards' files."""
+        capacity = self.capacity
+        self.say(f"04_train: memory plan: {self.memory_plan.describe()}"
+                 + (f"; GPU capacity {format_bytes(capacity)}" if capacity is not None else ""))
+        check_fits(self.memory_plan, capacity, self.replan)
+        if self.plan is None:
+            verify_shard_files(self.index, self.layout, self.env, self.cfg.extract.verify)
+
+    def inputs_identity(self) -> dict[str, Optional[str]]:
+        """04's inputs by content, as far as they may change under a running 04: index.json (rounds mode:
+        plan.json and index.json's header, since 02 adds each round's shards to the rest) and the vocab
+        map; None for a file that is gone. Small files, read whole: no cache to fool."""
+        layout = self.layout
+
+        def sha(data: Optional[bytes]) -> Optional[str]:
+            return None if data is None else hashlib.sha256(data).hexdigest()
+
+        def read(path) -> Optional[bytes]:
+            try:
+                return path.read_bytes()
+            except FileNotFoundError:
+                return None
+
+        ident = {layout.name(layout.vocab_map): sha(read(layout.vocab_map))}
+        index = read(layout.hidden_index)
+        if self.plan is None:
+            ident[layout.name(layout.hidden_index)] = sha(index)
+            return ident
+        ident[layout.name(layout.hidden_plan)] = sha(read(layout.hidden_plan))
+        try:
+            header = {k: v for k, v in json.loads(index).items() if k not in INDEX_SHARD_FIELDS}
+        except (TypeError, ValueError, AttributeError):
+            header = None  # gone or unreadable: a change
+        ident[f"{layout.name(layout.hidden_index)} (its header)"] = sha(json.dumps(header, sort_keys=True).encode())
+        return ident
+
+    def check_inputs_unchanged(self) -> None:
+        """Stop without saving or exporting when hidden/ or vocab/ changed since this run started (another
+        stage rewrote them): the steps since the last check trained on two generations of inputs."""
+        now = broadcast_object(self.inputs_identity() if self.env.is_main else None, self.env)
+        changed = [name for name, digest in self.inputs_at_start.items() if now.get(name) != digest]
+        if not changed:
+            return
+        kept = self.layout.checkpoint_dirs()
+        last = f"the last checkpoint, {kept[-1][1]}, was saved before the change" if kept else "no checkpoint was saved"
+        raise DataError(
+            f"{', '.join(changed)} changed while 04 was training (did 02 or 03 rewrite them?): stopped at step "
+            f"{self.step}/{self.total_steps} without saving or exporting anything from the mixed inputs; {last}. Rerun "
+            f"04 once they are final: it resumes when they are the same data, else asks for --overwrite")
 
     def wait_for_round(self) -> int:
         """Rounds mode: the next round is not on disk yet. Its checkpoint is saved; 02 extracts it next."""
@@ -509,8 +565,9 @@ class Trainer:
                     # rounds mode: the plan, since index.json grows with every round 02 extracts
                     layout, "04_train", inputs=layout.named(layout.hidden_index if self.plan is None else layout.hidden_plan,
                                                             layout.vocab_map),
-                    settings={"target_model": self.cfg.target.model, "draft": dataclasses.asdict(self.draft_cfg),
-                              "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed})
+                    settings={"target": self.target_id, "draft": dataclasses.asdict(self.draft_cfg),
+                              "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed},
+                    replaced={"target_model": "target"})  # recorded by path before
                 decision = self.manifest.begin(overwrite, outputs=[layout.final],
                                                started=layout.final.exists() or layout.checkpoints.exists())
                 done = int(self.manifest.result.get("steps", -1))

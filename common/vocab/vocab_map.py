@@ -78,9 +78,6 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
     vocab_size = info.vocab_size
     requested = cfg.vocab.draft_vocab_size
 
-    if overwrite:
-        map_path.unlink(missing_ok=True)
-        report_path.unlink(missing_ok=True)
     manifest = StageManifest(layout, "03_build_vocab_map", inputs=layout.named(train),
                              settings={"vocab.draft_vocab_size": requested, "target_vocab_size": vocab_size})
     if manifest.begin(overwrite, outputs=[map_path, report_path]) == "complete":
@@ -115,6 +112,8 @@ def run_vocab_map(cfg, overwrite: bool = False) -> dict:
         "train_sha256": sha,
         "target_model": cfg.target.model,
     }
+    # Rebuilding (all refusals are behind us): the old report goes first, never next to a new map.
+    report_path.unlink(missing_ok=True)
     with atomic_path(map_path) as tmp:
         save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
     atomic_write_json(report_path, report)

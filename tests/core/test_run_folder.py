@@ -11,7 +11,8 @@ import signal
 import pytest
 
 from common.core.errors import ConfigError, DataError
-from common.core.run_folder import Layout, StageBusy, StageManifest, read_manifest, stage_lock
+from common.core.run_folder import (Layout, StageBusy, StageManifest, lock_holder, read_manifest, refuse_overwrite_while_read,
+                                     stage_lock)
 from tests.helpers import hold_lock
 
 
@@ -100,3 +101,41 @@ def test_lock_names_the_holder_and_dies_with_it(tmp_path):
         assert (tmp_path / "stages" / "04_train.lock").read_text().strip() == str(os.getpid())
 
 
+
+
+def test_overwrite_is_refused_while_a_reader_of_the_outputs_runs(tmp_path):
+    """Issue 25, case 1: locks were per stage, so 02 --overwrite rewrote the shards a running 04 read."""
+    assert lock_holder(tmp_path, "04_train") is None  # never locked: no lock file, nothing created
+    assert not (tmp_path / "stages").exists()
+    holder = hold_lock(tmp_path, "04_train")
+    try:
+        assert lock_holder(tmp_path, "04_train") == str(holder.pid)
+        for stage in ("02_extract_hidden", "03_build_vocab_map"):
+            with pytest.raises(StageBusy, match=rf"{stage} --overwrite would delete what 04_train is reading: "
+                                                rf"04_train is running on {tmp_path} \(pid {holder.pid}\)"):
+                refuse_overwrite_while_read(tmp_path, stage)
+        refuse_overwrite_while_read(tmp_path, "01_prepare_data")  # 01b reads 01's outputs, and 01b is not running
+        refuse_overwrite_while_read(tmp_path, "05_evaluate")  # nothing reads 05's outputs
+        # the probe leaves the holder's lock alone, and a stage starting during a probe waits it out
+        with stage_lock(tmp_path, "02_extract_hidden"):
+            pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert lock_holder(tmp_path, "04_train") is None
+    refuse_overwrite_while_read(tmp_path, "02_extract_hidden")
+
+
+def test_a_setting_recorded_under_a_new_key_is_not_a_change(tmp_path):
+    """Issue 25, case 12: 04 recorded the target by path ("target_model"); it now records its content
+    ("target"). A manifest written before is not a mismatch; a real change still is."""
+    layout = Layout.of(tmp_path)
+    StageManifest(layout, "04_train", settings={"target_model": "/a/path", "seed": 0}).partial()
+    new = StageManifest(layout, "04_train", settings={"target": "sha-of-weights", "seed": 0},
+                        replaced={"target_model": "target"})
+    assert new.changes() == ([], [])
+    assert new.begin(False) == "resume"
+    assert read_manifest(layout, "04_train")["settings"] == {"target": "sha-of-weights", "seed": 0}  # recorded anew
+    other = StageManifest(layout, "04_train", settings={"target": "other-weights", "seed": 0},
+                          replaced={"target_model": "target"})
+    assert other.changes() == (["target"], [])

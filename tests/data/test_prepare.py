@@ -316,3 +316,16 @@ def test_cli_hub_dataset_unavailable_is_one_line(write_config):
     cfg = write_config({"data": {"source": "eagle3-no-such-org/no-such-dataset"}})
     p = run_cli("--config", str(cfg), env_extra={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     error_line(p, "could not load dataset 'eagle3-no-such-org/no-such-dataset'")
+
+
+def test_a_refused_overwrite_keeps_the_previous_prompts(tmp_path):
+    """Issue 25, case 11: every refusal comes before --overwrite deletes anything (01 dropped its report
+    before it found the new source unusable)."""
+    run = tmp_path / "run"
+    assert prepare_prompts(make_cfg(run, source=str(write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, OPENAI]))),
+                           progress=False)["status"] == "done"
+    before = {p.name: p.read_bytes() for p in (run / "data").iterdir()}
+    unusable = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "system", "content": "s"}]}])
+    with pytest.raises(DataError, match="no usable prompts"):
+        prepare_prompts(make_cfg(run, source=str(unusable)), overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in (run / "data").iterdir()} == before

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import clone_run, error_line, read_metrics, run_stage
+from tests.helpers import checkpoint_steps, clone_run, error_line, read_metrics, run_stage
 
 
 # ============================================================================ 04: inputs changed, damaged files
@@ -119,3 +119,70 @@ def test_04_max_steps_below_the_finished_or_checkpointed_steps_is_an_error(tmp_p
     assert not final.exists()
     res = run_stage("04_train.py", cfg, "--set", "train.max_steps=3", "--overwrite")
     assert res.returncode == 0 and "done: 3 steps" in res.stdout
+
+
+# ============================================================================ issue 25, cases 1, 11 and 12
+
+
+@pytest.mark.slow  # ~40 s: a 04 that runs while 02 and 03 try to overwrite its inputs
+def test_overwrite_under_a_running_04_is_refused_and_04_stops_when_its_inputs_change(tmp_path, hidden_run):
+    """Case 1: 02 --overwrite while 04 trained on the same folder: 04 read the new shards mid-run and exported
+    a draft labelled with the old aux ids, exit 0. Now 02/03 --overwrite are refused while 04 runs, and a
+    04 whose index.json changes under it stops at its next check without saving or exporting."""
+    import subprocess
+
+    from tests.helpers import train_cmd, train_env, wait_for_checkpoint
+
+    cfg = clone_run(hidden_run, tmp_path, max_steps=400, checkpoint_every=2, keep_checkpoints=100, eval_every=0,
+                    log_every=1)
+    run_dir = tmp_path / "run"
+
+    def snapshot() -> dict:
+        return {p: p.read_bytes() for sub in ("hidden", "vocab") for p in sorted((run_dir / sub).rglob("*")) if p.is_file()}
+
+    proc = subprocess.Popen(train_cmd(cfg), env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_checkpoint(proc, run_dir, 2)
+        before = snapshot()
+        for stage in ("03_build_vocab_map", "02_extract_hidden"):
+            error_line(run_stage(f"{stage}.py", cfg, "--overwrite"),
+                       f"{stage} --overwrite would delete what 04_train is reading", f"(pid {proc.pid})")
+        assert snapshot() == before  # nothing deleted or rewritten
+        assert proc.poll() is None
+        # hidden/ rewritten under 04 anyway (another machine, a stage of an older version): 04 notices
+        index = run_dir / "hidden" / "index.json"
+        index.write_text(json.dumps({**json.loads(index.read_text()), "aux_layer_ids": [0, 1, 2]}))
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    line = error_line(res, "hidden/index.json changed while 04 was training", "without saving or exporting")
+    stopped = int(line.split("stopped at step ")[1].split("/")[0])
+    assert stopped not in checkpoint_steps(run_dir)  # the check comes before the step's save
+    assert not (run_dir / "train" / "final").exists() and not (run_dir / "train" / "best").exists()
+
+
+@pytest.mark.slow  # ~35 s: three 04 runs
+def test_04_refuses_before_deleting_and_knows_its_target_by_content(tmp_path, hidden_run):
+    """Case 11: a memory budget nothing fits with --overwrite emptied train/ (a finished draft) and then
+    suggested gradient checkpointing, which did not fit either. Case 12: the same target weights at another
+    path were refused as another target."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=2, checkpoint_every=2, eval_every=0)
+    run_dir = tmp_path / "run"
+    assert run_stage("04_train.py", cfg).returncode == 0
+    train_files = {p: p.read_bytes() for p in sorted((run_dir / "train").rglob("*")) if p.is_file()}
+    line = error_line(run_stage("04_train.py", cfg, "--overwrite", "--set", "train.gpu_memory_gb=0.000001"),
+                      "does not fit", "use GPUs with more memory or a smaller draft")
+    assert "gradient_checkpointing" not in line and "batch_max_tokens to" not in line  # neither fits
+    assert {p: p.read_bytes() for p in sorted((run_dir / "train").rglob("*")) if p.is_file()} == train_files
+    # the same weights, copied elsewhere: the same target
+    target = Path(yaml_load(cfg)["target"]["model"])
+    shutil.copytree(target, tmp_path / "target-copy")
+    res = run_stage("04_train.py", cfg, "--set", f"target.model={tmp_path / 'target-copy'}")
+    assert res.returncode == 0 and "already complete" in res.stdout, res.stderr[-2000:]
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())

@@ -174,3 +174,15 @@ def test_cli(tmp_path):
     (run / "data" / "train.jsonl").unlink()
     third = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert third.returncode == 2 and third.stderr.strip().count("\n") == 0 and "run 01b" in third.stderr
+
+
+def test_a_refused_overwrite_keeps_the_previous_map(tmp_path):
+    """Issue 25, case 11: --overwrite deleted vocab/ before 03 found the data unusable."""
+    cfg = make_cfg(tmp_path, 20, 4, TRAIN, EVAL)
+    run_vocab_map(cfg)
+    vocab = Path(cfg.run_dir) / "vocab"
+    before = {p.name: p.read_bytes() for p in vocab.iterdir()}
+    write_split(Path(cfg.run_dir) / "data" / "train.jsonl", [("a", [1, 2, 3], [0, 0, 0])])  # no loss-masked token
+    with pytest.raises(DataError, match="has no loss-masked tokens"):
+        run_vocab_map(cfg, overwrite=True)
+    assert {p.name: p.read_bytes() for p in vocab.iterdir()} == before
