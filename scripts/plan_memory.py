@@ -16,24 +16,30 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.core.cli import OneLineArgumentParser  # noqa: E402
+from common.core.config import GpuMemoryGB, ModelLen, Range, TorchDtype  # noqa: E402
+
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # a bad flag is one error line naming the value and the allowed range (nan, inf, -3 ranks, an unknown dtype)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+    parser.add_argument("--world-size", type=Range(ge=1, le=65536).argument(int), default=os.environ.get("WORLD_SIZE", "1"),
                         help="ranks of 04 (torchrun nproc_per_node x nnodes); default $WORLD_SIZE or 1")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what 04 runs on (precision auto follows it)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+    parser.add_argument("--gpu-memory-gb", type=GpuMemoryGB.argument(), default=None,
                         help="memory per GPU to check against (default train.gpu_memory_gb; none: only print)")
-    parser.add_argument("--max-sample-len", type=int, default=None, help="longest sample (default tokenize.max_seq_len)")
-    parser.add_argument("--target-hidden-size", type=int)
-    parser.add_argument("--target-vocab-size", type=int)
-    parser.add_argument("--target-num-layers", type=int)
-    parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument("--max-sample-len", type=ModelLen.argument(int), default=None,
+                        help="longest sample (default tokenize.max_seq_len)")
+    parser.add_argument("--target-hidden-size", type=Range(ge=1, le=2**17).argument(int))
+    parser.add_argument("--target-vocab-size", type=Range(ge=1, le=2**24).argument(int))
+    parser.add_argument("--target-num-layers", type=Range(ge=1, le=4096).argument(int))
+    parser.add_argument("--target-dtype", choices=typing.get_args(TorchDtype), default="bfloat16")
     args = parser.parse_args()
 
     from common.core.config import load_config
@@ -54,7 +60,7 @@ def main() -> int:
         target.setdefault("torch_dtype", args.target_dtype)
         d = draft_config_from(cfg, target)
         kw = dict(world_size=args.world_size, device_type=args.device, embed_bf16="bfloat16" in str(target["torch_dtype"]),
-                  max_sample_len=args.max_sample_len or cfg.tokenize.max_seq_len)
+                  max_sample_len=args.max_sample_len if args.max_sample_len is not None else cfg.tokenize.max_seq_len)
         gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else cfg.train.gpu_memory_gb
         capacity = int(gb * 1e9) if gb is not None else None
         plan, replan = plan_for_capacity(d, cfg.train, capacity, **kw)  # as 04 plans (checkpointing null: chosen here)

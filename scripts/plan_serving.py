@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.core.cli import OneLineArgumentParser  # noqa: E402
+from common.core.config import GpuMemoryGB, MemoryUtilization, ModelLen, Range, TensorParallel  # noqa: E402
 from common.core.errors import ConfigError, PipelineError, printable  # noqa: E402
 from common.serving.sizing import GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, plan_serving  # noqa: E402
+
+
+WEIGHTS_GIB = Range(gt=0, le=10**7)  # on all GPUs together: Kimi-K2.5's are ~570 GiB
 
 
 def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
@@ -38,24 +44,33 @@ def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
         weights_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / GIB or None
     if weights_gib is None:
         raise ConfigError(f"{path}: no *.safetensors to size the weights from; pass --weights-gib")
-    return text, float(weights_gib)
+    try:
+        weights = float(weights_gib)
+    except (TypeError, ValueError):
+        weights = math.nan
+    if not math.isfinite(weights) or not WEIGHTS_GIB.holds(weights):  # a JSON's "weights_gib" (the flag is checked)
+        raise ConfigError(f"{config_file}: weights_gib must be a finite number {WEIGHTS_GIB.describe()}, got {weights_gib!r}")
+    return text, weights
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # a bad flag is one error line naming the value and the allowed range (nan, inf, TP 0, a negative length)
+    ap = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="a card's memory (or --gpu-memory-gib)")
-    ap.add_argument("--gpu-memory-gib", type=float)
-    ap.add_argument("--tp", type=int, default=8, help="tensor parallel size (default 8)")
-    ap.add_argument("--utilization", type=float, default=0.9, help="--gpu-memory-utilization (default 0.9)")
+    ap.add_argument("--gpu-memory-gib", type=GpuMemoryGB.argument())
+    ap.add_argument("--tp", type=TensorParallel.argument(int), default=8, help="tensor parallel size (default 8)")
+    ap.add_argument("--utilization", type=MemoryUtilization.argument(), default=0.9,
+                    help="--gpu-memory-utilization (default 0.9)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_DTYPE_BYTES))
-    ap.add_argument("--max-model-len", type=int, required=True)
-    ap.add_argument("--tokens-per-request", type=int, default=4096, help="a typical prompt + answer (default 4096)")
-    ap.add_argument("--activation-gib", type=float, default=5.0,
+    ap.add_argument("--max-model-len", type=ModelLen.argument(int), required=True)
+    ap.add_argument("--tokens-per-request", type=ModelLen.argument(int), default=4096,
+                    help="a typical prompt + answer (default 4096)")
+    ap.add_argument("--activation-gib", type=Range(ge=0, le=GpuMemoryGB.le).argument(), default=5.0,
                     help="activations, CUDA graphs and buffers per GPU (default 5; vLLM measures it at start)")
-    ap.add_argument("--weights-gib", type=float, help="the weights on all GPUs together (default: from --target)")
+    ap.add_argument("--weights-gib", type=WEIGHTS_GIB.argument(), help="the weights on all GPUs together (default: from --target)")
     args = ap.parse_args(argv)
-    memory = args.gpu_memory_gib or (GPU_MEMORY_GIB[args.gpu] if args.gpu else None)
+    memory = args.gpu_memory_gib if args.gpu_memory_gib is not None else GPU_MEMORY_GIB[args.gpu] if args.gpu else None
     if memory is None:
         raise ConfigError("give --gpu or --gpu-memory-gib")
     text, weights = read_target(args.target, args.weights_gib)

@@ -27,8 +27,17 @@ from typing import Callable
 from common.core.errors import PipelineError, printable
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad flag is one `error:` line and exit 2, like every refusal of the pipeline
+    (argparse prints its usage and `prog: error:` otherwise). For the stages and scripts/."""
+
+    def error(self, message: str):
+        print(f"error: {printable(message)}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", required=True, help="the run's YAML config, e.g. configs/tiny.yaml")

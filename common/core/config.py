@@ -8,6 +8,7 @@ the file are resolved against the directory of the YAML file, so a config works 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -17,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import yaml
 
@@ -27,18 +28,34 @@ from common.core.errors import ConfigError
 @dataclass(frozen=True)
 class Range:
     """Allowed numeric range of a config key, written into its type: `Annotated[int, Range(ge=1)]`.
-    Checked once, when the config is loaded."""
+    Checked once, when the config is loaded; `argument()` checks a script's numeric flag the same way."""
 
     ge: Optional[float] = None
     gt: Optional[float] = None
     le: Optional[float] = None
     lt: Optional[float] = None
 
+    def holds(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
     def check(self, value: Any, key: str) -> None:
-        for bound, ok, words in ((self.ge, lambda v, b: v >= b, ">="), (self.gt, lambda v, b: v > b, ">"),
-                                 (self.le, lambda v, b: v <= b, "<="), (self.lt, lambda v, b: v < b, "<")):
-            if bound is not None and not ok(value, bound):
-                raise ConfigError(f"config key '{key}' must be {self.describe()}, got {value!r}")
+        if not self.holds(value):
+            raise ConfigError(f"config key '{key}' must be {self.describe()}, got {value!r}")
+
+    def argument(self, kind: type = float) -> Callable[[str], Any]:
+        """An argparse `type=`: a finite int or float in this range, else the error names the value and the range."""
+        def parse(text: str):
+            try:
+                value = kind(text)
+            except ValueError:
+                value = None
+            if value is None or not math.isfinite(value) or not self.holds(value):  # inf is within a range open above
+                what = "an integer" if kind is int else "a finite number"
+                raise argparse.ArgumentTypeError(f"must be {what} {self.describe()}, got {text!r}")
+            return value
+
+        return parse
 
     def describe(self) -> str:
         def num(b: float) -> str:
@@ -53,6 +70,12 @@ Positive = Range(ge=1)  # counts, sizes, intervals
 NonNegative = Range(ge=0)
 Fraction = Range(ge=0, le=1)
 Seed = Range(ge=0, le=2**31 - 1)  # numpy takes seeds below 2**32; the ranks add their rank
+MAX_DISK_GB = 10**6  # 1 EB: a disk size in GB becomes bytes (int(gb * 1e9)), where 1e300 overflows
+GpuMemoryGB = Range(gt=0, le=100_000)  # one GPU's memory (GB or GiB), also the planners' --gpu-memory-* flags
+TensorParallel = Range(ge=1, le=1024)
+MemoryUtilization = Range(gt=0, le=1)  # vLLM's --gpu-memory-utilization
+ModelLen = Range(ge=1, le=2**26)  # tokens of one sequence
+
 TorchDtype = Literal["bfloat16", "float16", "float32"]
 
 
@@ -125,11 +148,11 @@ class ExtractConfig:
     batch_max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 16384  # tokens per forward batch (token budget, not sample count)
     shard_max_tokens: Annotated[int, Range(ge=1, le=2**26)] = 262144  # tokens per output shard
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    min_free_disk_gb: Annotated[float, NonNegative] = 1.0  # head-room kept free on top of the estimate
+    min_free_disk_gb: Annotated[float, Range(ge=0, le=MAX_DISK_GB)] = 1.0  # head-room kept free on top of the estimate
     # The most the hidden-state shards may take on disk. When the data set does not fit, 02 and 04 alternate
     # in rounds: a seeded random share of the train samples per round, re-extracted per epoch, each round
     # deleted once trained (docs/design.md#rounds-under-a-disk-budget). null = no bound (one extraction).
-    max_disk_gb: Optional[Annotated[float, Range(gt=0)]] = None
+    max_disk_gb: Optional[Annotated[float, Range(gt=0, le=MAX_DISK_GB)]] = None
     # Streaming (needs max_disk_gb): 02 and 04 run at the same time on one run folder, e.g. on two GPU pools
     # or nodes sharing a filesystem. Rounds are cut at half the budget so 04 trains one while 02 extracts the
     # next; 02 waits while the folder is full, 04 waits for the next round (docs/design.md#streaming).
@@ -141,10 +164,10 @@ class ExtractConfig:
     # Who runs the target: vllm (its extract_hidden_states method: TP/EP, quantized MoE kernels, MLA),
     # hf (transformers + hooks: the reference, and for targets vLLM cannot run); auto = vllm where installed.
     backend: Literal["auto", "vllm", "hf"] = "auto"
-    tensor_parallel_size: Annotated[int, Range(ge=1, le=1024)] = 1  # vllm backend
+    tensor_parallel_size: Annotated[int, TensorParallel] = 1  # vllm backend
     data_parallel_size: Annotated[int, Range(ge=1, le=4096)] = 1  # vllm backend: engine copies, one process each (MoE targets)
     enable_expert_parallel: bool = False  # vllm backend: experts split over the TP x DP GPUs instead of TP-sliced
-    gpu_memory_utilization: Optional[Annotated[float, Range(gt=0, le=1)]] = None  # vllm backend; null = 0.9 GPU, 0.3 CPU
+    gpu_memory_utilization: Optional[Annotated[float, MemoryUtilization]] = None  # vllm backend; null = 0.9 GPU, 0.3 CPU
 
 
 @dataclass
@@ -206,7 +229,7 @@ class TrainConfig:
     loss_normalization: Literal["counted", "all_tokens"] = "counted"
     # memory per GPU that 04's memory planner checks against (docs/design.md#memory-planner-04); null = the
     # CUDA device's total, no check on CPU
-    gpu_memory_gb: Optional[Annotated[float, Range(gt=0, le=100000)]] = None
+    gpu_memory_gb: Optional[Annotated[float, GpuMemoryGB]] = None
 
 
 @dataclass
@@ -227,9 +250,9 @@ class ServerConfig:
     """How the pipeline starts vLLM itself (demo, evaluation, tests)."""
 
     port: Annotated[int, Range(ge=0, le=65535)] = 0  # 0 = pick a free loopback port
-    tensor_parallel_size: Annotated[int, Range(ge=1, le=1024)] = 1
-    max_model_len: Annotated[int, Range(ge=1, le=2**26)] = 4096
-    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.9
+    tensor_parallel_size: Annotated[int, TensorParallel] = 1
+    max_model_len: Annotated[int, ModelLen] = 4096
+    gpu_memory_utilization: Annotated[float, MemoryUtilization] = 0.9
     enforce_eager: bool = False
     startup_timeout_s: Annotated[float, Range(gt=0, le=604800)] = 900.0
     extra_args: list[str] = field(default_factory=list)
@@ -415,7 +438,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"--set expects KEY=VALUE, got '{text}' with an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        # the file's loader: an alias bomb or deep nesting in a value is refused as in the file
+        value = _safe_yaml(raw, f"--set {key}", f"--set {key}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
@@ -458,12 +482,30 @@ def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | Non
 
 
 MAX_CONFIG_VALUES = 100_000  # a config has a few hundred; far more is an alias bomb ("billion laughs")
+MAX_CONFIG_DEPTH = 64  # a config nests a few levels (section, key, a JSON value in extra_body); deeper is hostile
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)
     and a key that is not a scalar (`? [a, b]`); merge keys (`<<: *defaults`) work, their keys
-    overridable as YAML says."""
+    overridable as YAML says. Nesting deeper than MAX_CONFIG_DEPTH is refused while composing."""
+
+    def __init__(self, text: str, name: str):
+        super().__init__(text)
+        self.name = name  # named in the errors: the file's path, or "--set KEY"
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        # PyYAML composes recursively: 50,000 nested brackets would be a RecursionError traceback
+        if self.depth >= MAX_CONFIG_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise ConfigError(f"{self.name}, line {line}: the YAML is nested more than {MAX_CONFIG_DEPTH} levels deep; "
+                              f"a config nests a few: flatten it")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -483,20 +525,57 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _expanded_size(node, memo: dict[int, int]) -> int:
-    """How many values the YAML node stands for once its aliases are expanded (each shared node is
-    counted once per use, computed once: linear in the document, whatever the expansion)."""
-    if id(node) in memo:
-        return memo[id(node)]
-    memo[id(node)] = 1  # a recursive alias counts as one here; yaml refuses to construct it later
+def _children(node) -> list:
     if isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    elif isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(v, memo) for v in node.value)
-    else:
-        size = 1
-    memo[id(node)] = size
-    return size
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _expanded_shape(root, what: str) -> tuple[int, int]:
+    """(values, depth) the YAML node stands for once its aliases are expanded. Each shared node is counted
+    once per use and computed once: linear in the document, whatever the expansion; without recursion, as a
+    chain of aliases nests deeper than Python's stack. A node that contains itself is refused."""
+    shape: dict[int, tuple[int, int]] = {}
+    open_ids: set[int] = set()  # the nodes being walked: the current node's ancestors
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        kids = _children(node)
+        if children_done:
+            open_ids.discard(id(node))
+            shape[id(node)] = (1 + sum(shape[id(k)][0] for k in kids), 1 + max((shape[id(k)][1] for k in kids), default=0))
+            continue
+        if id(node) in shape:
+            continue  # shared: already walked from another use
+        open_ids.add(id(node))
+        for kid in kids:
+            if id(kid) in open_ids:
+                raise ConfigError(f"{what}, line {kid.start_mark.line + 1}: a YAML alias (*name) inside its own anchor "
+                                  f"makes a value that contains itself; a config cannot hold one: remove the alias")
+        stack.append((node, True))
+        stack.extend((kid, False) for kid in kids)
+    return shape[id(root)]
+
+
+def _safe_yaml(text: str, name: str, what: str) -> Any:
+    """YAML text as plain values (a config file, or a --set value), refusing what would hang or end in a
+    traceback: more than MAX_CONFIG_VALUES values once the aliases are expanded (an alias bomb), nesting deeper
+    than MAX_CONFIG_DEPTH (written out or through aliases), a value that contains itself, a key given twice."""
+    loader = _UniqueKeyLoader(text, name)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        values, depth = _expanded_shape(node, what)
+        if values > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{what} expands to more than {MAX_CONFIG_VALUES:,} values through its YAML aliases (*name); "
+                              f"a config needs a few hundred: remove the aliases that multiply")
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{what} nests more than {MAX_CONFIG_DEPTH} levels deep through its YAML aliases (*name); "
+                              f"a config nests a few: remove the aliases that nest")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
@@ -507,16 +586,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}; pass --config configs/<run>.yaml")
     try:
-        loader = _UniqueKeyLoader(path.read_text(encoding="utf-8"))
-        loader.name = str(path)  # named in the duplicate-key error
-        try:
-            node = loader.get_single_node()
-            if node is not None and _expanded_size(node, {}) > MAX_CONFIG_VALUES:
-                raise ConfigError(f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values through its YAML "
-                                  f"aliases (*name); a config needs a few hundred: remove the aliases that multiply")
-            tree = loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
+        tree = _safe_yaml(path.read_text(encoding="utf-8"), str(path), f"config file {path}")
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
     except UnicodeDecodeError as e:

@@ -1,7 +1,10 @@
 """Config loading: overrides, validation, error messages, path resolution."""
 
+import dataclasses
 import subprocess
 import sys
+import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -121,7 +124,7 @@ def test_defaults_are_a_valid_config():
     ("train.grad_clip=-1", "config key 'train.grad_clip' must be >= 0, got -1.0"),
     ("train.epochs=0", "config key 'train.epochs' must be >= 1 and <= 100000, got 0"),
     ("train.eval_every=-1", "config key 'train.eval_every' must be >= 0, got -1"),
-    ("extract.min_free_disk_gb=-100", "config key 'extract.min_free_disk_gb' must be >= 0, got -100.0"),
+    ("extract.min_free_disk_gb=-100", "config key 'extract.min_free_disk_gb' must be >= 0 and <= 1000000, got -100.0"),
     ("train.num_workers=-2", "config key 'train.num_workers' must be >= 0 and <= 1024, got -2"),
     ("server.port=99999", "config key 'server.port' must be >= 0 and <= 65535, got 99999"),
     ("evaluate.num_prompts=0", "config key 'evaluate.num_prompts' must be >= 1 and <= 10000000, got 0"),
@@ -214,3 +217,113 @@ def test_a_numeric_run_dir_is_a_folder_next_to_the_yaml(tmp_path):
     cfg = tmp_path / "configs" / "run.yaml"
     cfg.write_text("run_dir: 5\n")
     assert load_config(cfg).run_dir == str(tmp_path / "configs" / "5")
+
+
+# ---- issue 25, case 3: hostile YAML through --set as in the file, and nesting that overflowed the stack
+
+
+def _refused_quickly(cfg: Path, *args: str, fragment: str, tmp_path: Path) -> str:
+    start = time.monotonic()
+    res = run_stage("03_build_vocab_map.py", cfg, *args, timeout=120)
+    seconds = time.monotonic() - start
+    line = error_line(res, fragment)  # exit 2, one `error:` line, no RecursionError traceback
+    assert seconds < 10, f"took {seconds:.1f} s"  # the --set bomb ran 6.6 s and more before
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    return line
+
+
+def test_deep_nesting_in_the_file_is_one_line(tmp_path):
+    cfg = tmp_path / "deep.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\ngenerate:\n  extra_body:\n    x: {'[' * 50_000}{']' * 50_000}\n")
+    line = _refused_quickly(cfg, fragment="the YAML is nested more than 64 levels deep", tmp_path=tmp_path)
+    assert line.startswith(f"error: {cfg}, line 4: ")
+
+
+def test_deep_nesting_and_an_alias_bomb_in_set_are_refused_as_in_the_file(tmp_path):
+    cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run")})
+    line = _refused_quickly(cfg, "--set", f"generate.extra_body={{x: {'[' * 5000}{']' * 5000}}}",
+                            fragment="the YAML is nested more than 64 levels deep", tmp_path=tmp_path)
+    assert line.startswith("error: --set generate.extra_body, line 1: ")
+    levels = ["&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]  # 10^7 values once expanded
+    levels += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]
+    line = _refused_quickly(cfg, "--set", f"generate.extra_body={{x: [{', '.join(levels)}]}}", tmp_path=tmp_path,
+                            fragment="expands to more than 100,000 values through its YAML aliases")
+    assert line.startswith("error: --set generate.extra_body expands")
+
+
+def test_nesting_through_aliases_and_a_value_that_contains_itself_are_refused(tmp_path):
+    # each anchor 50 levels deep around the previous one: 1,500 levels once expanded, from 3 KB of text
+    chain = ", ".join(f"a{i}: &a{i} {'[' * 50}{f'*a{i - 1}' if i else '1'}{']' * 50}" for i in range(30))
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(f"run_dir: run\ngenerate:\n  extra_body: {{{chain}}}\n")
+    for load in (lambda: load_config(cfg), lambda: config_from_dict({}, [f"generate.extra_body={{{chain}}}"])):
+        with pytest.raises(ConfigError, match="nests more than 64 levels deep through its YAML aliases"):
+            load()
+    for value in ("&a {x: *a}", "&a [1, *a]"):
+        with pytest.raises(ConfigError, match="line 1: a YAML alias .* inside its own anchor makes a value that contains itself"):
+            parse_override(f"generate.extra_body={value}")
+
+
+def test_nesting_a_config_needs_still_loads(tmp_path):
+    nested = "{a: " * 30 + "1" + "}" * 30  # a JSON schema in extra_body nests this much at most
+    cfg = config_from_dict({}, [f"generate.extra_body={{schema: {nested}}}", "generate.extra_body.n=&n [1, 2]"])
+    node = cfg.generate.extra_body["schema"]
+    for _ in range(29):
+        node = node["a"]
+    assert node == {"a": 1} and cfg.generate.extra_body["n"] == [1, 2]
+    assert parse_override("data.system_prompt=You are: [x") == ("data.system_prompt", "You are: [x")  # not YAML: text
+
+
+# ---- issue 25, case 5: numbers that overflow once turned into bytes, and every float's nan/inf
+
+
+@pytest.mark.parametrize("override, message", [
+    ("extract.max_disk_gb=1e300", "config key 'extract.max_disk_gb' must be > 0 and <= 1000000, got 1e+300"),
+    ("extract.max_disk_gb=.inf", "config key 'extract.max_disk_gb' must be a finite number, got inf"),
+    ("extract.max_disk_gb=.nan", "config key 'extract.max_disk_gb' must be a finite number, got nan"),
+    ("extract.max_disk_gb=-1", "config key 'extract.max_disk_gb' must be > 0 and <= 1000000, got -1.0"),
+    ("extract.max_disk_gb=0", "config key 'extract.max_disk_gb' must be > 0 and <= 1000000, got 0.0"),
+    ("extract.max_disk_gb=1000001", "config key 'extract.max_disk_gb' must be > 0 and <= 1000000, got 1000001.0"),
+    ("extract.min_free_disk_gb=1e300", "config key 'extract.min_free_disk_gb' must be >= 0 and <= 1000000, got 1e+300"),
+    ("train.gpu_memory_gb=1e300", "config key 'train.gpu_memory_gb' must be > 0 and <= 100000, got 1e+300"),
+])
+def test_sizes_that_become_bytes_are_bounded(override, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"run_dir": "run"}, [override])
+    assert str(e.value) == message
+
+
+def test_a_refused_disk_budget_deletes_nothing(tmp_path):
+    """02 --overwrite with extract.max_disk_gb=1e300 cleared hidden/ and then died of an OverflowError."""
+    shard = tmp_path / "run" / "hidden" / "shard-00000.safetensors"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"kept")
+    cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run")})
+    error_line(run_stage("02_extract_hidden.py", cfg, "--overwrite", "--set", "extract.max_disk_gb=1e300", timeout=120),
+               "config key 'extract.max_disk_gb' must be > 0 and <= 1000000, got 1e+300")
+    assert shard.read_bytes() == b"kept"
+    # the largest budget allowed is bytes without overflow
+    assert int(config_from_dict({"run_dir": "run"}, ["extract.max_disk_gb=1e6"]).extract.max_disk_gb * 1e9) == 10**15
+
+
+def _float_keys() -> list[str]:
+    """Every config key whose value is one float (Optional and Annotated unwrapped)."""
+    keys = []
+    for section, section_tp in typing.get_type_hints(Config).items():
+        if not dataclasses.is_dataclass(section_tp):
+            continue
+        for name, tp in typing.get_type_hints(section_tp, include_extras=True).items():
+            args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+            base = typing.get_args(args[0])[0] if typing.get_origin(args[0]) is typing.Annotated else args[0]
+            if len(args) == 1 and base is float:
+                keys.append(f"{section}.{name}")
+    return keys
+
+
+def test_every_float_key_refuses_nan_and_inf():
+    keys = _float_keys()
+    assert {"extract.max_disk_gb", "train.lr", "generate.timeout_s", "draft.rope_theta"} <= set(keys) and len(keys) > 20
+    for key in keys:
+        for value in (".nan", ".inf", "-.inf"):
+            with pytest.raises(ConfigError, match=f"config key '{key}' must be a finite number"):
+                config_from_dict({"run_dir": "run"}, [f"{key}={value}"])

@@ -4,6 +4,7 @@ against the peak measured on CPU at two tiny sizes, its refusal, and its figures
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -118,3 +119,60 @@ def test_plan_memory_script_for_a_hub_target():
     assert "lower train.batch_max_tokens" not in out.stderr
     out = subprocess.run([*tight, "--max-sample-len", "8192"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "lower train.batch_max_tokens to" in out.stderr
+
+
+# ---- issue 25, case 10: the planners' numeric flags (nan, inf, ranks <= 0, an unknown dtype) were tracebacks or accepted
+
+PLAN_MEMORY = [sys.executable, str(REPO / "scripts" / "plan_memory.py"), "--config", str(REPO / "configs" / "kimi-k2.5.yaml"),
+               "--target-hidden-size", "7168", "--target-vocab-size", "163840", "--target-num-layers", "61"]
+PLAN_SERVING = [sys.executable, str(REPO / "scripts" / "plan_serving.py"), "--target",
+                str(REPO / "configs" / "targets" / "kimi-k2.5.json"), "--gpu", "h200", "--max-model-len", "32768"]
+FINITE_GPU_GB = "must be a finite number > 0 and <= 100000"
+
+
+@pytest.mark.parametrize("script, args, message", [
+    (PLAN_MEMORY, ["--gpu-memory-gb", "nan"], f"argument --gpu-memory-gb: {FINITE_GPU_GB}, got 'nan'"),
+    (PLAN_MEMORY, ["--gpu-memory-gb", "inf"], f"argument --gpu-memory-gb: {FINITE_GPU_GB}, got 'inf'"),
+    (PLAN_MEMORY, ["--gpu-memory-gb", "1e300"], f"argument --gpu-memory-gb: {FINITE_GPU_GB}, got '1e300'"),
+    (PLAN_MEMORY, ["--gpu-memory-gb", "-1"], f"argument --gpu-memory-gb: {FINITE_GPU_GB}, got '-1'"),
+    (PLAN_MEMORY, ["--gpu-memory-gb", "0"], f"argument --gpu-memory-gb: {FINITE_GPU_GB}, got '0'"),
+    (PLAN_MEMORY, ["--world-size", "-3"], "argument --world-size: must be an integer >= 1 and <= 65536, got '-3'"),
+    (PLAN_MEMORY, ["--world-size", "0"], "argument --world-size: must be an integer >= 1 and <= 65536, got '0'"),
+    (PLAN_MEMORY, ["--world-size", "2.5"], "argument --world-size: must be an integer >= 1 and <= 65536, got '2.5'"),
+    (PLAN_MEMORY, ["--max-sample-len", "0"], "argument --max-sample-len: must be an integer >= 1 and <= 67108864, got '0'"),
+    (PLAN_MEMORY, ["--target-hidden-size", "-5"], "argument --target-hidden-size: must be an integer >= 1 and <= 131072, got '-5'"),
+    (PLAN_MEMORY, ["--target-num-layers", "-1"], "argument --target-num-layers: must be an integer >= 1 and <= 4096, got '-1'"),
+    (PLAN_MEMORY, ["--target-dtype", "int3"],
+     "argument --target-dtype: invalid choice: 'int3' (choose from 'bfloat16', 'float16', 'float32')"),
+    (PLAN_SERVING, ["--gpu-memory-gib", "nan"], f"argument --gpu-memory-gib: {FINITE_GPU_GB}, got 'nan'"),
+    (PLAN_SERVING, ["--gpu-memory-gib", "0"], f"argument --gpu-memory-gib: {FINITE_GPU_GB}, got '0'"),
+    (PLAN_SERVING, ["--tp", "0"], "argument --tp: must be an integer >= 1 and <= 1024, got '0'"),
+    (PLAN_SERVING, ["--utilization", "inf"], "argument --utilization: must be a finite number > 0 and <= 1, got 'inf'"),
+    (PLAN_SERVING, ["--max-model-len", "-1"], "argument --max-model-len: must be an integer >= 1 and <= 67108864, got '-1'"),
+    (PLAN_SERVING, ["--tokens-per-request", "0"],
+     "argument --tokens-per-request: must be an integer >= 1 and <= 67108864, got '0'"),
+    (PLAN_SERVING, ["--activation-gib", "-5"], "argument --activation-gib: must be a finite number >= 0 and <= 100000, got '-5'"),
+    (PLAN_SERVING, ["--weights-gib", "nan"], "argument --weights-gib: must be a finite number > 0 and <= 10000000, got 'nan'"),
+])
+def test_planner_flags_out_of_range_are_one_line(script, args, message):
+    out = subprocess.run([*script, *args], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {message}\n")
+
+
+def test_plan_memory_world_size_from_the_environment_is_checked():
+    env = {**os.environ, "WORLD_SIZE": "-1"}
+    out = subprocess.run(PLAN_MEMORY, capture_output=True, text=True, timeout=120, env=env)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == "error: argument --world-size: must be an integer >= 1 and <= 65536, got '-1'\n"
+    out = subprocess.run([*PLAN_MEMORY, "--gpu-memory-gb", "96", "--world-size", "8"], capture_output=True, text=True,
+                         timeout=120, env=env)  # the flag wins over the environment
+    assert out.returncode == 0 and "fsdp x8" in out.stdout and "GPU capacity 96.00 GB" in out.stdout, out.stderr
+
+
+def test_plan_serving_weights_from_the_target_json_are_checked(tmp_path):
+    target = json.loads((REPO / "configs" / "targets" / "kimi-k2.5.json").read_text())
+    bad = tmp_path / "target.json"
+    bad.write_text(json.dumps({**target, "weights_gib": "lots"}))
+    out = subprocess.run([*PLAN_SERVING[:3], str(bad), *PLAN_SERVING[4:]], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == f"error: {bad}: weights_gib must be a finite number > 0 and <= 10000000, got 'lots'\n"
