@@ -11,6 +11,12 @@ Writes, under run_dir/eval/: report.json, report.png, outputs.jsonl, baseline.js
   --baseline-only --base-url URL   measure only the target-alone run on an already running
                                    server of the target (run_pipeline.py does this on its
                                    generation server, which saves one server start)
+
+The offline prediction in the report is 04's for the draft measured: the draft is recognised
+among this run's train/final and train/best by its weights, and 04's eval at its step is the
+prediction (none, and the report says why, for a draft 04 did not export). A draft whose aux
+layer ids differ from this run's extraction is refused; --foreign-draft measures it anyway
+(e.g. a published draft for the same target), without this run's prediction.
 """
 
 from common.core.cli import stage_main
@@ -20,12 +26,15 @@ def add_arguments(parser):
     parser.add_argument("--draft", help="draft directory to evaluate (default: run_dir/train/final)")
     parser.add_argument("--baseline-only", action="store_true", help="only measure the target alone (needs --base-url)")
     parser.add_argument("--base-url", help="a running vLLM server of the target alone (http://host:port/v1) for the baseline")
+    parser.add_argument("--foreign-draft", action="store_true",
+                        help="measure a draft that is not this run's (other aux layer ids), without this run's offline prediction")
 
 
 def run(cfg, args):
     from common.evaluate.stage import run_stage
 
-    return run_stage(cfg, draft_dir=args.draft, overwrite=args.overwrite, baseline_only=args.baseline_only, base_url=args.base_url)
+    return run_stage(cfg, draft_dir=args.draft, overwrite=args.overwrite, baseline_only=args.baseline_only, base_url=args.base_url,
+                     foreign_draft=args.foreign_draft)
 
 
 if __name__ == "__main__":

@@ -259,12 +259,18 @@ def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> Non
         print(f"{label:<26}{_size(path):>9}  {path}")
     from common.core.run_folder import Layout
 
-    report_path = Layout.of(cfg).eval_report
-    if report_path.is_file():
-        from common.evaluate.stage import format_summary
+    layout = Layout.of(cfg)
+    if layout.eval_report.is_file():
+        from common.evaluate.stage import format_summary, report_measures
 
-        report = json.loads(report_path.read_text())
-        print(f"\nmeasured in vLLM: {format_summary(report)}")
+        report = json.loads(layout.eval_report.read_text())
+        # Only a measurement of the draft now in train/final (by its weights): after a new 04 the last
+        # report is an earlier draft's.
+        if report_measures(cfg, report, layout.final):
+            print(f"\nmeasured in vLLM: {format_summary(report)}")
+        else:
+            print(f"\n{layout.eval_report} did not measure the draft now in {layout.final}; "
+                  f"run 05_evaluate.py (or this command without --stop-after) to measure it")
 
 
 class Pipeline:
@@ -277,11 +283,14 @@ class Pipeline:
         self.layout = Layout.of(cfg)
         try:
             self.layout.logs.mkdir(parents=True, exist_ok=True)
+            # Even on a complete run every stage writes (its log, its lock, its record): try it once here.
+            tempfile.TemporaryFile(dir=self.layout.logs).close()
         except OSError as e:
             from common.core.errors import PipelineError
 
-            raise PipelineError(f"cannot write under run_dir {self.layout.run_dir} ({e.strerror}); point run_dir at a "
-                                f"writable directory") from None
+            raise PipelineError(f"cannot write under run_dir {self.layout.run_dir} ({e.strerror}); every stage writes its "
+                                f"log and record there, even on a complete run: make it writable, or copy the run folder "
+                                f"to a writable place and point run_dir at it (--set run_dir=...)") from None
         self.stage_args = ["--config", str(Path(args.config).resolve())] + [a for o in args.overrides for a in ("--set", o)]
         self.timings: list[tuple[str, float, str]] = []
         self.current = "start"

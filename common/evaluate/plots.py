@@ -63,7 +63,9 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
         series.append((f"vLLM, other-kind prompts (AL {other['acceptance_length']:.2f})", other["per_position_acceptance"], "tab:green"))
     if offline:
         kind = (report.get("offline") or {}).get("prediction", "offline")
-        series.append((f"offline prediction ({kind}, held-out split)", offline, "tab:orange"))
+        step = (report.get("offline") or {}).get("step")  # the draft's own step (05's offline_prediction)
+        series.append((f"offline prediction ({kind}{'' if step is None else f' at step {step}'}, held-out split)",
+                       offline, "tab:orange"))
     width = 0.8 / len(series)
     for j, (label, values, color) in enumerate(series):
         xs = [p - 0.4 + width * (j + 0.5) for p in range(len(values))]

@@ -49,7 +49,7 @@ from typing import Any, Optional
 from common.core.config import Config
 from common.core.errors import DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256, iter_jsonl, read_json, write_jsonl_atomic
-from common.core.run_folder import HELD_OUT, OTHER, Layout, StageManifest
+from common.core.run_folder import HELD_OUT, OTHER, Layout, StageManifest, content_fingerprint
 from common.serving.chat import chat_request, make_client, parse_completion, served_model
 
 
@@ -166,16 +166,27 @@ def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def draft_fingerprint(draft_dir: Path) -> str:
-    """sha256 over the draft's weights files (model.safetensors, or every *.safetensors in order)."""
+def draft_fingerprint(draft_dir: Path, layout: Optional[Layout] = None) -> str:
+    """sha256 over the draft's weights files (model.safetensors, or every *.safetensors in order).
+    With the run's layout, each file's hash is cached in its stages/hashes.json (a Kimi-sized draft is GBs)."""
     from common.model.export import WEIGHTS_NAME  # imports torch: only when needed
 
+    draft_dir = Path(draft_dir)
     files = [draft_dir / WEIGHTS_NAME] if (draft_dir / WEIGHTS_NAME).is_file() else sorted(draft_dir.glob("*.safetensors"))
     if not files:
         raise PipelineError(f"no model.safetensors in the draft directory {draft_dir}; run 04_train.py first (it writes train/final/)")
+    sha = file_sha256 if layout is None else (lambda f: content_fingerprint(layout, f))
     if len(files) == 1:
-        return file_sha256(files[0])
-    return _sha256_json([[f.name, file_sha256(f)] for f in files])
+        return sha(files[0])
+    return _sha256_json([[f.name, sha(f)] for f in files])
+
+
+def report_measures(cfg: Config, report: dict, draft_dir: Path) -> bool:
+    """Whether a 05 report measured the draft now in draft_dir: the same weights, whatever its path."""
+    try:
+        return report.get("draft_sha256") == draft_fingerprint(draft_dir, Layout.of(cfg))
+    except PipelineError:  # no draft there (any more)
+        return False
 
 
 def sampling_params(cfg: Config) -> dict:
@@ -200,13 +211,15 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
 
 
 def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str,
-               other: Optional[list[dict]] = None) -> dict:
+               other: Optional[list[dict]] = None, foreign_draft: bool = False) -> dict:
     return baseline_key(cfg, prompts) | {
         "draft": str(draft_dir),
         "draft_sha256": draft_sha,
         "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
         "other_prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in other]) if other else None,
         "replay_served": cfg.evaluate.replay_served,
+        # reported without this run's prediction; keys made before the flag stay valid
+        **({"foreign_draft": True} if foreign_draft else {}),
     }
 
 
@@ -375,8 +388,92 @@ def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set
     return baseline
 
 
-def read_offline_report(cfg: Config) -> Optional[dict]:
-    """The offline prediction of vLLM's numbers from 04_train.py's train/eval_report.json.
+def run_aux_layer_ids(cfg: Config) -> tuple[Optional[list[int]], str]:
+    """The aux layer ids this run's draft reads, and where they come from: what 02 extracted
+    (hidden/index.json), else target.aux_layer_ids when set, else (None, "")."""
+    index = Layout.of(cfg).hidden_index
+    if index.is_file():
+        doc = read_json(index)
+        ids = doc.get("aux_layer_ids") if isinstance(doc, dict) else None
+        if isinstance(ids, list):
+            return [int(i) for i in ids], str(index)
+    if cfg.target.aux_layer_ids:
+        return list(cfg.target.aux_layer_ids), "target.aux_layer_ids"
+    return None, ""
+
+
+def check_draft(cfg: Config, draft: Path, foreign_draft: bool) -> None:
+    """The draft's config.json read and checked by us before vLLM sees it (a truncated file is one error
+    line, not vLLM's traceback), and its aux layer ids against this run's: vLLM captures the layers the
+    draft's config names, so a draft trained on other layers is another run's, and this run's
+    prediction says nothing about it."""
+    from common.model.export import read_draft_config
+
+    ids = read_draft_config(draft).aux_layer_ids
+    run_ids, source = run_aux_layer_ids(cfg)
+    if run_ids is not None and ids != run_ids and not foreign_draft:
+        raise DataError(
+            f"the draft {draft} reads the target's aux layers {ids} (eagle_aux_hidden_state_layer_ids in its config.json) "
+            f"but this run extracted {run_ids} ({source}): it is not this run's draft; evaluate this run's train/final "
+            f"(drop --draft), or pass --foreign-draft to measure it anyway (reported without this run's offline prediction)")
+
+
+def eval_at_step(layout: Layout, step: int) -> tuple[Optional[dict], Path]:
+    """04's eval at `step` and the file it is in: train/eval_report.json when it is that step's (the
+    latest eval), else the eval line of train/metrics.jsonl (04 logs every eval there, in full)."""
+    try:
+        latest = read_json(layout.train_eval_report) if layout.train_eval_report.is_file() else None
+    except DataError:
+        latest = None
+    if isinstance(latest, dict) and latest.get("step") == step:
+        return latest, layout.train_eval_report
+    if not layout.metrics.is_file():
+        return None, layout.metrics
+    found = None
+    for row in iter_jsonl(layout.metrics, tolerate_torn_tail=True, strict=False):
+        if row.get("type") == "eval" and row.get("step") == step:
+            found = row  # the last one: a resumed run logs the steps after its checkpoint again
+    return found, layout.metrics
+
+
+def offline_prediction(cfg: Config, draft: Path, draft_sha: str) -> tuple[Optional[dict], Optional[str]]:
+    """04's offline prediction for this very draft, or (None, why there is none).
+
+    The draft is found among this run's exports by its weights (train/final, train/best, at any path),
+    its step read from that export (training_summary.json, best.json), and the prediction is 04's eval
+    at that step: `--draft RUN/train/best` is compared with the best checkpoint's prediction, never the
+    final draft's.
+    """
+    from common.train.export import BEST_JSON  # imports torch: only when needed
+
+    layout = Layout.of(cfg)
+    exports = {layout.final: "training_summary.json", layout.best: BEST_JSON}
+    same = [d for d in exports if d.resolve() == draft.resolve()]  # the very files: nothing to compare
+
+    def same_weights(d: Path) -> bool:
+        try:
+            return draft_fingerprint(d, layout) == draft_sha
+        except PipelineError:  # no export there
+            return False
+
+    export = same[0] if same else next((d for d in exports if same_weights(d)), None)
+    if export is None:
+        return None, f"{draft} has other weights than this run's train/final and train/best: 04 predicted nothing for it"
+    try:
+        record = read_json(export / exports[export])
+    except DataError as e:
+        return None, f"cannot tell which step {export} is ({e})"
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int):
+        return None, f"{export / exports[export]} records no step: cannot tell which eval predicts it"
+    rep, path = eval_at_step(layout, step)
+    if rep is None:
+        return None, f"04 logged no eval at step {step}, the step of {export} ({path})"
+    return offline_report(cfg, rep, path, export), None
+
+
+def offline_report(cfg: Config, rep: dict, path: Path, export: Path) -> dict:
+    """The offline prediction of vLLM's numbers from 04's eval at the draft's step.
 
     At k = evaluate.num_speculative_tokens: expected_acceptance_length and expected_per_position
     are the replay of vLLM's rounds (common.model.acceptance) when 04 reported it ("prediction": "replay"),
@@ -384,13 +481,6 @@ def read_offline_report(cfg: Config) -> Optional[dict]:
     """
     from common.model.acceptance import product_formula, product_per_position
 
-    path = Layout.of(cfg).train_eval_report
-    if not path.is_file():
-        return None
-    try:
-        rep = read_json(path)
-    except DataError:
-        return None
     k = cfg.evaluate.num_speculative_tokens
     acc = [float(a) for a in rep.get("step_acc") or []]
     tau = (rep.get("tau") or {}).get(str(k))
@@ -398,7 +488,8 @@ def read_offline_report(cfg: Config) -> Optional[dict]:
         tau = product_formula(acc, k)
     product = {"acceptance_length": tau, "per_position": product_per_position(acc, k)}
     replay = (rep.get("replay") or {}).get(str(k))
-    out = {"path": str(path), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc, "product_formula": product}
+    out = {"path": str(path), "draft": str(export), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
+           "product_formula": product}
     if replay:
         return out | {"prediction": "replay", "expected_acceptance_length": replay["acceptance_length"],
                       "expected_per_position": replay["per_position"], "replay_rounds": replay["rounds"]}
@@ -429,6 +520,8 @@ def format_summary(report: dict) -> str:
         error = prediction_error(report)
         if error is not None:
             line += f" ({100 * error:+.1f}%)"
+    elif report.get("offline_missing"):
+        line += f" | no offline prediction for this draft ({report['offline_missing']})"
     served = report.get("replay_on_served")
     if served:
         line += f" | replay on the served outputs {served['acceptance_length']:.2f} ({100 * served['relative_error']:+.1f}%)"
@@ -484,14 +577,17 @@ def replay_on_served(cfg: Config, draft: Path, prompts: list[dict], outputs: dic
 
 
 def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False,
-              baseline_only: bool = False, base_url: Optional[str] = None) -> int:
+              baseline_only: bool = False, base_url: Optional[str] = None, foreign_draft: bool = False) -> int:
     layout = Layout.of(cfg)
     sets = prompt_sets(cfg)
     if baseline_only:
         return run_baseline_only(cfg, layout, sets, base_url, overwrite)
+    # Every check comes before --overwrite deletes the previous eval/ outputs: a refusal loses nothing.
     draft = find_draft(cfg, draft_dir)
-    draft_sha = draft_fingerprint(draft)
-    key = report_key(cfg, sets[HELD_OUT], draft, draft_sha, sets.get(OTHER))
+    check_draft(cfg, draft, foreign_draft)
+    draft_sha = draft_fingerprint(draft, layout)
+    offline = (None, "--foreign-draft: not this run's draft") if foreign_draft else offline_prediction(cfg, draft, draft_sha)
+    key = report_key(cfg, sets[HELD_OUT], draft, draft_sha, sets.get(OTHER), foreign_draft)
     if overwrite:
         for p in layout.evaluate_outputs():
             p.unlink(missing_ok=True)
@@ -502,7 +598,7 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         return 0
     with_draft, acceptance = measure_with_draft(cfg, layout, sets, draft)
     baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url)
-    report = build_report(cfg, layout, sets, draft, draft_sha, key, with_draft, acceptance, baselines)
+    report = build_report(cfg, layout, sets, draft, draft_sha, key, with_draft, acceptance, baselines, offline)
     write_report(cfg, layout, report)
     manifest.complete({"acceptance_length": report.get("acceptance_length")})
     print(f"05_evaluate: {format_summary(report)} -> {layout.eval_report}")
@@ -565,7 +661,8 @@ def measure_or_reuse_baselines(cfg: Config, layout: Layout, sets: dict[str, list
 
 
 def build_report(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft: Path, draft_sha: str, key: dict,
-                 with_draft: dict, acceptance: dict, baselines: dict) -> dict:
+                 with_draft: dict, acceptance: dict, baselines: dict, offline: tuple[Optional[dict], Optional[str]]) -> dict:
+    """offline: (04's prediction for this draft, or None and why there is none: offline_prediction)."""
     prompts, other = sets[HELD_OUT], sets.get(OTHER)
     held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], layout.eval_outputs)
     report = {
@@ -577,7 +674,8 @@ def build_report(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft
         "target": cfg.target.model,
         "sampling": sampling_params(cfg),
         **held_out,  # the held-out prompts: the headline numbers
-        "offline": read_offline_report(cfg),
+        "offline": offline[0],
+        "offline_missing": offline[1],
         "other_prompts": None if other is None else {
             "path": cfg.evaluate.other_prompts,
             **_set_results(cfg, other, with_draft[OTHER], acceptance[OTHER], baselines[OTHER], layout.eval_outputs_of(OTHER))},
@@ -607,5 +705,8 @@ def write_report(cfg: Config, layout: Layout, report: dict) -> None:
 
 def stage_manifest(cfg: Config, key: dict):
     """05's record (common.core.run_folder): everything the measurement depends on (report_key). A
-    measurement is replaced whole, so any change means "measure again", not an error."""
-    return StageManifest(Layout.of(cfg), "05_evaluate", settings=key, redo_on=set(key))
+    measurement is replaced whole, so any change means "measure again", not an error: also an entry only
+    one of the two keys has (extra_body, foreign_draft)."""
+    manifest = StageManifest(Layout.of(cfg), "05_evaluate", settings=key)
+    manifest.redo_on = set(key) | set((manifest.previous or {}).get("settings") or {})
+    return manifest

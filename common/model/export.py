@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from common.model.draft import DraftModelConfig, Eagle3DraftModel
-from common.core.errors import DataError
+from common.core.errors import ConfigError, DataError
 from common.core.io import fsync_dir
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # the files of an exported draft
@@ -158,6 +158,29 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
     })
 
 
+def read_draft_config(path) -> DraftModelConfig:
+    """The config.json of the exported draft in `path`, checked: JSON, the keys an EAGLE-3 draft needs and
+    their values. A truncated or edited file is one DataError naming it, before vLLM or the loader sees it."""
+    from common.core.io import parse_json
+
+    config_path = Path(path) / CONFIG_NAME
+    redo = "re-export the draft (rerun 04_train.py) or restore the file"
+    try:
+        raw = parse_json(config_path.read_bytes())
+    except FileNotFoundError:
+        raise DataError(f"{config_path} is missing; '{path}' is not an exported EAGLE-3 draft ({redo})") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{config_path} is not a readable JSON file ({' '.join(str(e).split())}); {redo}") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{config_path} holds a JSON {type(raw).__name__}, not a draft config object; {redo}")
+    try:
+        return DraftModelConfig.from_vllm_config(raw)
+    except KeyError as e:
+        raise DataError(f"{config_path} has no {e.args[0]!r}, which an EAGLE-3 draft config needs; {redo}") from None
+    except (TypeError, ValueError, AttributeError, ConfigError) as e:
+        raise DataError(f"{config_path} is not a valid EAGLE-3 draft config ({' '.join(str(e).split())}); {redo}") from None
+
+
 def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
                         device: str | torch.device = "cpu") -> Eagle3DraftModel:
     """Rebuild the draft from an export (either format). Without embed_tokens in the file, pass the
@@ -165,11 +188,10 @@ def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: tor
     from safetensors.torch import load_file
 
     path = Path(path)
-    config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
-    for p in (config_path, weights_path):
-        if not p.exists():
-            raise DataError(f"{p} is missing; '{path}' is not an exported EAGLE-3 draft (run 04_train.py or re-export)")
-    config = DraftModelConfig.from_vllm_config(json.loads(config_path.read_text(encoding="utf-8")))
+    weights_path = path / WEIGHTS_NAME
+    config = read_draft_config(path)
+    if not weights_path.exists():
+        raise DataError(f"{weights_path} is missing; '{path}' is not an exported EAGLE-3 draft (run 04_train.py or re-export)")
     model = Eagle3DraftModel(config)
     state = {}
     for name, tensor in load_file(str(weights_path)).items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,6 +155,27 @@ def test_training_curves_and_plot_file(tmp_path):
 # ----------------------------------------------------------------------------- the stage, on a fake server
 
 
+def draft_config_json(aux_layer_ids=(1, 2, 3)) -> str:
+    """A valid EAGLE-3 draft config.json, as 04 exports it (05 reads it before vLLM does)."""
+    from common.model.draft import DraftModelConfig
+
+    config = DraftModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, vocab_size=256, draft_vocab_size=128, target_hidden_size=64,
+                              aux_layer_ids=list(aux_layer_ids))
+    return json.dumps(config.to_vllm_config(), indent=2)
+
+
+def write_draft(path: Path, weights: bytes, aux_layer_ids=(1, 2, 3), **records) -> Path:
+    """A stand-in exported draft: a valid config.json, `weights` as model.safetensors (05 hashes them,
+    the fake server never loads them), and records such as best.json={"step": 20}."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(draft_config_json(aux_layer_ids))
+    (path / "model.safetensors").write_bytes(weights)
+    for name, record in records.items():
+        (path / name.replace("_json", ".json")).write_text(json.dumps(record))
+    return path
+
+
 class RunEnv:
     def __init__(self, cfg, run, final):
         self.cfg, self.run, self.final = cfg, run, final
@@ -177,10 +199,7 @@ def run_env(tmp_path, monkeypatch):
             messages.append({"role": "user", "content": "and a follow-up"})
         prompts.append({"id": f"p{i}", "messages": messages, "split": "eval" if i % 2 else "train"})
     (run / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    final = run / "train" / "final"
-    final.mkdir(parents=True)
-    (final / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
-    (final / "model.safetensors").write_bytes(b"fake weights v1")
+    final = write_draft(run / "train" / "final", b"fake weights v1", training_summary_json={"step": 40})
     (run / "train" / "eval_report.json").write_text(json.dumps(
         {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02, "4": 2.056}}))
     (run / "train" / "metrics.jsonl").write_text(json.dumps({"type": "train", "step": 10, "loss": 3.0, "step_acc": [0.3, 0.2, 0.1, 0.05]}) + "\n")
@@ -444,10 +463,8 @@ def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_pa
     (run / "data").mkdir(parents=True)
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}], "split": "eval"} for i in range(4)]
     (run / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    (run / "train" / "final").mkdir(parents=True)
     # a stand-in draft: both runs are killed while their server starts, long before it would load it
-    (run / "train" / "final" / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}')
-    (run / "train" / "final" / "model.safetensors").write_bytes(b"never loaded")
+    write_draft(run / "train" / "final", b"never loaded")
     cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(run), "target": {"model": str(target)},
                                              "evaluate": {"num_prompts": 4, "max_tokens": 8}})
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
@@ -469,3 +486,124 @@ def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_pa
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- which draft, which prediction (issue 25)
+
+
+def eval_row(step: int, al: float, per_position: list[float]) -> dict:
+    """04's eval line (train/metrics.jsonl, train/eval_report.json) with the replay at k=3."""
+    return {"type": "eval", "step": step, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4], "tau": {"3": 2.02},
+            "replay": {"3": {"acceptance_length": al, "per_position": per_position, "rounds": 100}}}
+
+
+def test_05_compares_each_draft_with_its_own_prediction(run_env, tmp_path, capsys):
+    """Issue 25, case 9: `--draft RUN/train/best` was compared with the final draft's prediction. The draft is
+    recognised by its weights (at any path), its step read from its export, and 04's eval at that step is the
+    prediction; a draft 04 did not export gets none, and the report says so."""
+    run, train = run_env.run, run_env.run / "train"
+    at_20, at_40 = eval_row(20, 2.2, [0.7, 0.4, 0.1]), eval_row(40, 1.8, [0.5, 0.2, 0.1])
+    (train / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (at_20, at_40)))
+    (train / "eval_report.json").write_text(json.dumps(at_40))  # the latest eval: the final draft's
+    best = write_draft(train / "best", b"weights of step 20", best_json={"step": 20, "k": 3, "acceptance_length": 2.2})
+
+    def evaluate_draft(draft) -> tuple[dict, str]:
+        capsys.readouterr()
+        assert evaluate.run_stage(run_env.cfg, draft_dir=str(draft)) == 0
+        return json.loads((run / "eval" / "report.json").read_text()), capsys.readouterr().out
+
+    report, out = evaluate_draft(best)
+    assert report["draft"] == str(best)
+    assert report["offline"]["step"] == 20 and report["offline"]["draft"] == str(best)
+    assert report["offline"]["expected_acceptance_length"] == 2.2
+    assert report["offline"]["expected_per_position"] == [0.7, 0.4, 0.1]
+    assert report["offline_prediction_error"] == pytest.approx((2.2 - 1.9) / 1.9)
+    assert "offline replay 2.20 (+15.8%)" in out
+
+    # A copy of the best draft elsewhere: the same weights, the same prediction.
+    copy = shutil.copytree(best, tmp_path / "elsewhere" / "my-draft")
+    (copy / "best.json").unlink()  # what identifies it is the weights, not the files beside them
+    report, _ = evaluate_draft(copy)
+    assert report["offline"]["step"] == 20 and report["offline"]["expected_acceptance_length"] == 2.2
+
+    # The final draft: the last eval's prediction.
+    report, _ = evaluate_draft(run_env.final)
+    assert report["offline"]["step"] == 40 and report["offline"]["expected_acceptance_length"] == 1.8
+
+    # A draft with other weights: no prediction, said so, never another draft's.
+    other = write_draft(tmp_path / "other-draft", b"weights 04 never exported", training_summary_json={"step": 40})
+    report, out = evaluate_draft(other)
+    assert report["offline"] is None and report["offline_prediction_error"] is None
+    assert report["offline_missing"] == (f"{other} has other weights than this run's train/final and train/best: "
+                                         f"04 predicted nothing for it")
+    assert "no offline prediction for this draft" in out and "offline replay" not in out
+
+    # The best draft whose step has no eval logged (metrics.jsonl lost it): none, not the final one's.
+    (train / "metrics.jsonl").write_text(json.dumps(at_40) + "\n")
+    report, _ = evaluate_draft(best)
+    assert report["offline"] is None and "04 logged no eval at step 20" in report["offline_missing"]
+
+
+def cli_config(run_env) -> Path:
+    """run_env's config as a YAML file, for 05_evaluate.py's command line."""
+    import yaml
+
+    path = run_env.run.parent / "run.yaml"
+    path.write_text(yaml.safe_dump(run_env.cfg.to_dict()))
+    return path
+
+
+def eval_files(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run / "eval").iterdir())} if (run / "eval").is_dir() else {}
+
+
+BROKEN_DRAFT_CONFIGS = {
+    "truncated": (lambda text: text[:len(text) // 2], "is not a readable JSON file"),
+    "no hidden_size": (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "hidden_size"}),
+                       "has no 'hidden_size', which an EAGLE-3 draft config needs"),
+    "no aux layer ids": (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if "aux" not in k and k != "eagle_config"}),
+                         "has no eagle_aux_hidden_state_layer_ids"),
+    "not an object": (lambda text: "[1, 2, 3]", "holds a JSON list, not a draft config object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_DRAFT_CONFIGS))
+def test_05_refuses_a_broken_draft_config_before_vllm_and_before_overwrite_deletes(run_env, case):
+    """Issue 25, case 14 (a truncated draft config.json was 26 lines: the error and vLLM's traceback), and the
+    --overwrite audit: 05 refuses it in one line before it deletes the previous eval/ outputs."""
+    from tests.helpers import error_line, run_stage as run_cli
+
+    assert evaluate.run_stage(run_env.cfg) == 0
+    before = eval_files(run_env.run)
+    assert {"report.json", "report.png", "outputs.jsonl", "baseline.json"} <= set(before)
+    damage, fragment = BROKEN_DRAFT_CONFIGS[case]
+    (run_env.final / "config.json").write_text(damage((run_env.final / "config.json").read_text()))
+    res = run_cli("05_evaluate.py", cli_config(run_env), "--overwrite", timeout=120)
+    error_line(res, f"{run_env.final / 'config.json'} ", fragment, "re-export the draft (rerun 04_train.py)")
+    assert "vllm" not in res.stderr.lower()
+    assert eval_files(run_env.run) == before  # byte-identical: nothing deleted before the refusal
+
+
+def test_05_refuses_a_draft_trained_on_other_aux_layers(run_env, tmp_path, capsys):
+    """Issue 25, case 15: a draft whose eagle_aux_hidden_state_layer_ids differ from this run's extraction
+    was measured and reported against this run's prediction. Refused in one line; --foreign-draft measures
+    it, without this run's prediction."""
+    from tests.helpers import error_line, run_stage as run_cli
+
+    (run_env.run / "hidden").mkdir()
+    (run_env.run / "hidden" / "index.json").write_text(json.dumps({"format_version": 2, "aux_layer_ids": [1, 2, 3]}))
+    foreign = write_draft(tmp_path / "published-draft", b"someone else's weights", aux_layer_ids=(2, 3, 4))
+    res = run_cli("05_evaluate.py", cli_config(run_env), "--draft", str(foreign), timeout=120)
+    error_line(res, f"the draft {foreign} reads the target's aux layers [2, 3, 4]",
+               f"this run extracted [1, 2, 3] ({run_env.run / 'hidden' / 'index.json'})", "--foreign-draft")
+    assert not (run_env.run / "eval").exists()
+
+    assert evaluate.run_stage(run_env.cfg, draft_dir=str(foreign), foreign_draft=True) == 0
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    assert report["draft"] == str(foreign) and report["acceptance_length"] == pytest.approx(1.9)
+    assert report["offline"] is None and report["offline_prediction_error"] is None
+    assert report["offline_missing"] == "--foreign-draft: not this run's draft" and report["key"]["foreign_draft"] is True
+    assert "offline replay" not in capsys.readouterr().out
+    # this run's own draft (aux ids [1, 2, 3]) is still measured against its prediction
+    assert evaluate.run_stage(run_env.cfg) == 0
+    assert json.loads((run_env.run / "eval" / "report.json").read_text())["offline"]["step"] == 40

@@ -868,6 +868,32 @@ def test_run_pipeline_on_a_read_only_run_dir_is_one_error_line(tmp_path, tmpfs):
     error_line(done, f"cannot write under run_dir {fs.path / 'run'}", "Read-only file system")
 
 
+def test_run_pipeline_on_a_complete_run_on_a_read_only_mount_is_one_error_line(tmp_path, tmpfs):
+    """Issue 25, case 4: a run whose logs/ already exist got past run_pipeline's mkdir and died with an
+    OSError traceback opening the first stage's log. Every stage writes (its log, lock and record) even
+    when complete, so run_pipeline tries a write first and refuses in one line. A real read-only mount:
+    a tmpfs holding a finished run's folder, remounted read-only (we run as root: chmod would not stop us)."""
+    fs = tmpfs("4m")
+    run = fs.path / "run"
+    finished = {f"logs/{stage}.log": f"# {stage}: done\n" for stage in ("01_prepare_data", "04_train", "05_evaluate")}
+    finished |= {f"stages/{stage}.json": json.dumps({"stage": stage, "state": "complete"})
+                 for stage in ("01_prepare_data", "04_train", "05_evaluate")}
+    finished |= {"eval/report.json": "{}", "train/final/config.json": "{}", "logs/pipeline_runs.jsonl": "{}\n"}
+    for rel, text in finished.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text(text)
+    res = subprocess.run(["mount", "-o", "remount,ro", str(fs.path)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {res.stderr.strip()}")
+    (tmp_path / "target").mkdir()
+    done = subprocess.run([PYTHON, str(REPO / "run_pipeline.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
+                           "--set", f"run_dir={run}", "--set", f"target.model={tmp_path / 'target'}"],
+                          cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=300)
+    error_line(done, f"cannot write under run_dir {run} (Read-only file system)",
+               "copy the run folder to a writable place and point run_dir at it")
+    assert {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()} == finished
+
+
 def test_01b_a_server_that_answers_html_is_one_error_line(cli, tmp_path, chat_tokenizer_dir):
     """Issue 18, case 16: GET /v1/models answered 200 text/html (a web page at base_url): AttributeError."""
     import http.server

@@ -213,7 +213,12 @@ def eval_run(root: Path) -> Path:
     (run_dir / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     final = run_dir / "train" / "final"
     final.mkdir(parents=True)
-    (final / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    from common.model.draft import DraftModelConfig  # 05 reads the draft's config.json before vLLM does
+
+    (final / "config.json").write_text(json.dumps(DraftModelConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        draft_vocab_size=128, target_hidden_size=64, aux_layer_ids=[1, 2, 3]).to_vllm_config()))
+    (final / "training_summary.json").write_text(json.dumps({"step": 10}))  # the step 05 takes 04's prediction at
     (final / "model.safetensors").write_bytes(b"fake weights")
     (run_dir / "train" / "eval_report.json").write_text(json.dumps({"type": "eval", "step": 10, "loss": 1.0,
                                                                     "step_acc": [0.6, 0.5, 0.4], "tau": {"3": 2.02}}))
