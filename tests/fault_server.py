@@ -17,6 +17,10 @@ Requests with `return_token_ids: true` get vLLM's token-id fields (`prompt_token
 top level, `token_ids` in the choice), deterministic too (`expected_token_ids`), unless the
 server plays an old vLLM (token_ids=False) or the last user message holds NO_TOKEN_IDS_MARKER.
 
+Besides the chat route it serves GET /health, GET /v1/models, POST /tokenize (with a tokenize_fn) and
+GET /metrics (a KV cache of METRICS_KV_TOKENS tokens, as vLLM's `vllm:cache_config_info` says it);
+Faults.drip_s sends the answers of the routes in Faults.drip_paths one byte at a time.
+
 CLI (manual experiments): python tests/fault_server.py --port 8001 --p-500 0.1
 """
 
@@ -36,6 +40,12 @@ from typing import Any, Callable, Optional
 BAD_REQUEST_MARKER = "[[BAD REQUEST]]"  # prompts containing this always get a 400
 ALWAYS_FAIL_MARKER = "[[ALWAYS 503]]"  # prompts containing this always get a 503
 NO_TOKEN_IDS_MARKER = "[[NO TOKEN IDS]]"  # prompts containing this get no token ids even when asked
+
+# What /metrics says the KV cache holds: far above what the tests' concurrency needs (no warning).
+METRICS_KV_TOKENS = 65536 * 16
+METRICS_TEXT = ("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                'vllm:cache_config_info{block_size="16",num_gpu_blocks="65536"} 1.0\n')
 
 FAULT_KINDS = ("hang", "500", "503", "429", "reset", "torn", "non_json", "empty_choices")
 
@@ -57,7 +67,8 @@ class Faults:
     max_faults_per_request: Optional[int] = None  # afterwards a request always succeeds
     latency_s: float = 0.0  # fixed latency added to every chat completion
     chat_status: Optional[int] = None  # answer every chat completion with this error status (401: a rejected key)
-    drip_s: float = 0.0  # > 0: send every chat completion one byte per drip_s seconds (each read is quick, the whole is not)
+    drip_s: float = 0.0  # > 0: send every answer on drip_paths one byte per drip_s seconds (each read is quick, the whole is not)
+    drip_paths: tuple[str, ...] = ("/v1/chat/completions",)  # of /v1/chat/completions, /v1/models, /tokenize, /metrics, /health
 
 
 @dataclass
@@ -135,6 +146,29 @@ def completion_body(messages: list[dict], model: str, token_ids: bool = False) -
     if token_ids:
         body["prompt_token_ids"], body["choices"][0]["token_ids"] = expected_token_ids(messages)
     return body
+
+
+class DripWriter:
+    """A StreamWriter that sends what is written one byte per `seconds`: each read of the client is
+    quick, the whole answer is not."""
+
+    def __init__(self, writer: asyncio.StreamWriter, seconds: float):
+        self._writer, self._seconds, self._pending = writer, seconds, b""
+
+    def write(self, data: bytes) -> None:
+        self._pending += data
+
+    async def drain(self) -> None:
+        pending, self._pending = self._pending, b""
+        for i in range(len(pending)):
+            if self._writer.transport.is_closing():  # the client gave up
+                raise ConnectionResetError("client closed the connection")
+            self._writer.write(pending[i:i + 1])
+            await self._writer.drain()
+            await asyncio.sleep(self._seconds)
+
+    def __getattr__(self, name: str):
+        return getattr(self._writer, name)
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
@@ -224,7 +258,11 @@ class FaultServer:
                 self.stats.requests += 1
                 if "authorization" in headers:
                     self.stats.auth_headers.add(headers["authorization"])
-                keep_open = await self._route(method, path.split("?")[0], body, writer)
+                path = path.split("?")[0]
+                drip = self.faults.drip_s > 0 and path in self.faults.drip_paths
+                if drip:
+                    self.stats.faults["drip"] += 1
+                keep_open = await self._route(method, path, body, DripWriter(writer, self.faults.drip_s) if drip else writer)
                 if not keep_open:
                     return
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
@@ -257,6 +295,8 @@ class FaultServer:
             req = json.loads(body)
             tokens = self.tokenize_fn(req["prompt"])
             return await self._json(writer, 200, {"tokens": tokens, "count": len(tokens), "max_model_len": 4096})
+        if method == "GET" and path == "/metrics":
+            return await self._send(writer, 200, METRICS_TEXT.encode(), "text/plain; version=0.0.4")
         if method == "POST" and path == "/v1/chat/completions":
             return await self._chat(json.loads(body), writer)
         return await self._json(writer, 404, {"error": {"message": f"no route {method} {path}", "code": 404}})
@@ -312,14 +352,6 @@ class FaultServer:
             if kind == "hang":
                 await asyncio.sleep(self.faults.hang_s)
                 return False
-            if self.faults.drip_s > 0:
-                s.faults["drip"] += 1
-                message = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(full)}\r\n\r\n".encode() + full
-                for i in range(len(message)):
-                    writer.write(message[i:i + 1])
-                    await writer.drain()
-                    await asyncio.sleep(self.faults.drip_s)
-                return True
             if kind in ("500", "503", "429"):
                 extra = "Retry-After: 0\r\n" if kind == "429" else ""
                 return await self._json(writer, int(kind), {"error": {"message": f"injected {kind}", "code": int(kind)}}, extra)
@@ -349,8 +381,11 @@ def main() -> None:
     for kind in ("delay", "hang", "500", "503", "429", "reset", "torn", "non_json", "empty_choices"):
         parser.add_argument(f"--p-{kind.replace('_', '-')}", type=float, default=0.0)
     parser.add_argument("--hang-s", type=float, default=30.0)
+    parser.add_argument("--drip-s", type=float, default=0.0, help="send answers one byte per DRIP_S seconds")
+    parser.add_argument("--drip-path", action="append", help="a route to drip (repeatable; default the chat route)")
     args = parser.parse_args()
-    faults = Faults(seed=args.seed, hang_s=args.hang_s, **{f"p_{k}": getattr(args, f"p_{k}") for k in
+    drip_paths = {"drip_paths": tuple(args.drip_path)} if args.drip_path else {}
+    faults = Faults(seed=args.seed, hang_s=args.hang_s, drip_s=args.drip_s, **drip_paths, **{f"p_{k}": getattr(args, f"p_{k}") for k in
                     ("delay", "hang", "500", "503", "429", "reset", "torn", "non_json", "empty_choices")})
     server = FaultServer(faults, port=args.port).start()
     print(f"fault server on {server.base_url} (Ctrl-C to stop)")

@@ -42,6 +42,9 @@ HASH_CACHE = "hashes.json"
 HELD_OUT, OTHER = "held_out", "other"
 
 
+TRAINING_SUMMARY, BEST_JSON = "training_summary.json", "best.json"  # in train/final/ and train/best/
+
+
 @dataclass(frozen=True)
 class Layout:
     """Every artifact path of a run (README "Artifacts")."""
@@ -203,6 +206,11 @@ class Layout:
     def best(self) -> Path:
         """04's export of the checkpoint with the best replayed acceptance length, with best.json."""
         return self.train / "best"
+
+    @property
+    def export_records(self) -> dict[Path, str]:
+        """04's exports and the file in each that records what it is (its step among them)."""
+        return {self.final: TRAINING_SUMMARY, self.best: BEST_JSON}
 
     @property
     def best_tmp(self) -> Path:

@@ -177,7 +177,7 @@ def classify(exc: BaseException) -> Failure:
         return Failure(f"{name}: {msg}", name, code, retryable, retry_after)
     if isinstance(exc, MissingTokenIds):
         return Failure(f"{name}: {msg}", name, None, False)
-    if isinstance(exc, (TimeoutError, openai.APITimeoutError)):  # wait_for's deadline, or httpx's at the same time
+    if isinstance(exc, (TimeoutError, openai.APITimeoutError)):  # the request's deadline (common.serving.http)
         return Failure("TimeoutError: no complete answer within generate.timeout_s", "TimeoutError", None, True)
     if isinstance(exc, (UnicodeError, TypeError)):  # raised building the request: it will never be sent
         return Failure(f"the request cannot be encoded ({name}: {msg})", name, None, False)
@@ -278,9 +278,8 @@ class Generator:
             self.stats.change_in_flight(+1)
             t0 = time.monotonic()
             try:
-                # generate.timeout_s is the whole request's deadline (httpx's timeout is per read: a server that
-                # sends a byte a second would never time out)
-                resp = await asyncio.wait_for(next(self._clients).chat.completions.create(**request), g.timeout_s)
+                # generate.timeout_s is the whole request's deadline (the clients' own, common.serving.http)
+                resp = await next(self._clients).chat.completions.create(**request)
                 turn = parse_completion(resp)
                 if need_ids and not has_token_ids(turn):
                     raise MissingTokenIds(MISSING_TOKEN_IDS)
@@ -480,8 +479,13 @@ async def resolve_model(client, cfg: Config) -> str:
     import openai
 
     g = cfg.generate
+    timeout = min(g.timeout_s, 30.0)
     try:
-        page = await client.with_options(timeout=min(g.timeout_s, 30.0)).models.list()
+        page = await client.with_options(timeout=timeout).models.list()
+    except openai.APITimeoutError:
+        raise PipelineError(f"the server at {g.base_url} did not answer GET /models in full within {timeout:g}s "
+                            f"(generate.timeout_s, at most 30 s for this check); check that it is a healthy vLLM server "
+                            f"and not overloaded, then rerun") from None
     except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
         raise PipelineError(
             f"the server at {g.base_url} rejected the API key ({e.status_code}); put the key in the environment variable "
@@ -671,13 +675,17 @@ def run_stage(cfg: Config, overwrite: bool = False) -> int:
 
 def _run_stage(cfg: Config, overwrite: bool) -> int:
     layout = Layout.of(cfg)
-    if overwrite:
-        for p in layout.generate_outputs():
-            p.unlink(missing_ok=True)
     prompts, report = read_prompts(layout)
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_tokenizer_of(cfg)
     manifest = stage_manifest(cfg, layout, tokenizer)
+    server = None  # (model, tokenizer check) once the server passed check_server
+    if overwrite:
+        # Every refusal comes before the previous outputs go: a refused --overwrite leaves them as they were.
+        check_token_sources(cfg, layout, tokenizer, prompts, {})
+        server = check_server(cfg, prompts, tokenizer)
+        for p in layout.generate_outputs():
+            p.unlink(missing_ok=True)
     status = manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl])
     recorded = manifest.result.get("raw_responses_bytes")
     if status == "complete" and recorded is not None and layout.raw_responses.stat().st_size != recorded:
@@ -692,10 +700,12 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
         manifest.record("already_complete")
         return 0
     done, todo = read_done(layout, prompts, report)
-    check_token_sources(cfg, layout, tokenizer, prompts, done)
+    if not overwrite:  # with --overwrite, checked before the outputs were deleted
+        check_token_sources(cfg, layout, tokenizer, prompts, done)
     interrupted = False
     if todo:
-        done, interrupted = generate_missing(cfg, layout, todo, tokenizer, report, manifest)
+        server = server or check_server(cfg, todo, tokenizer)
+        done, interrupted = generate_missing(cfg, layout, todo, server, report, manifest)
     still_failed = account_results(layout, prompts, done, report, interrupted)
     if interrupted:
         atomic_write_json(layout.generate_report, report | {"complete": False})
@@ -779,12 +789,14 @@ def check_token_sources(cfg: Config, layout: Layout, tokenizer, prompts: list[di
             )
 
 
-def generate_missing(cfg: Config, layout: Layout, todo: list[dict], tokenizer, report: dict,
+def generate_missing(cfg: Config, layout: Layout, todo: list[dict], server: tuple[str, str], report: dict,
                      manifest: StageManifest) -> tuple[dict[str, dict], bool]:
-    """Answer the prompts in `todo`; returns (all finished rows, interrupted). A failure every
-    request shares (a rejected API key) stops the run at once with one error line."""
+    """Answer the prompts in `todo` with the server check_server passed, (model, tokenizer check);
+    returns (all finished rows, interrupted). A failure every request shares (a rejected API key)
+    stops the run at once with one error line."""
+    model, tok_check = server
     report |= {"base_url": cfg.generate.base_url, "concurrency": cfg.generate.concurrency}
-    generator, interrupted, model, tok_check = asyncio.run(_generate(cfg, layout, todo, tokenizer))
+    generator, interrupted = asyncio.run(_generate(cfg, layout, todo, model))
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # asyncio restored the default
     report |= {"model": model, "tokenizer_check": tok_check, "this_run": run_stats(generator.stats, len(todo))}
     if generator.fatal is not None:
@@ -885,7 +897,7 @@ def report_server_capacity(g: GenerateConfig, todo: list[dict], tokenizer, sampl
     generate.concurrency, and warn when the concurrency is far above it; returns the KV tokens (None when
     the server does not say: best effort, generation does not depend on it)."""
     try:
-        kv_tokens = kv_cache_tokens(scrape_metrics(g.base_url, api_key=api_key(g)))
+        kv_tokens = kv_cache_tokens(scrape_metrics(g.base_url, timeout=min(g.timeout_s, 30.0), api_key=api_key(g)))
     except PipelineError as e:
         log.info("not reporting the server's KV capacity: %s", e)
         return None
@@ -904,7 +916,17 @@ def report_server_capacity(g: GenerateConfig, todo: list[dict], tokenizer, sampl
     return kv_tokens
 
 
-async def _generate(cfg: Config, layout: Layout, todo: list[dict], tokenizer):
+def check_server(cfg: Config, todo: list[dict], tokenizer) -> tuple[str, str]:
+    """Before any generation request (and before --overwrite deletes anything): the server answers,
+    serves the model, tokenizes as our tokenizer does and (token_ids_from=server) returns token ids;
+    its KV capacity is printed. Every call within generate.timeout_s in all. Returns (model,
+    tokenizer check)."""
+    model, tok_check = asyncio.run(_check_server(cfg, tokenizer))
+    report_server_capacity(cfg.generate, todo, tokenizer)
+    return model, tok_check
+
+
+async def _check_server(cfg: Config, tokenizer) -> tuple[str, str]:
     client = make_client(cfg.generate)
     try:
         model = await resolve_model(client, cfg)  # first request: an unreachable server fails in a second
@@ -913,15 +935,18 @@ async def _generate(cfg: Config, layout: Layout, todo: list[dict], tokenizer):
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
         if cfg.tokenize.token_ids_from == "server":
             await check_server_token_ids(client, cfg.generate, model)
-        await asyncio.to_thread(report_server_capacity, cfg.generate, todo, tokenizer)
-        pool = make_clients(cfg.generate)
-        try:
-            with JsonlAppender(layout.raw_responses, cfg.generate.fsync_every) as raw, JsonlAppender(layout.failed, 1) as failed:
-                generator = Generator(cfg, pool, model, raw, failed, seed=cfg.data.seed)
-                completed = await generator.run(todo)
-        finally:
-            for c in pool:
-                await c.close()
-        return generator, not completed, model, tok_check
+        return model, tok_check
     finally:
         await client.close()
+
+
+async def _generate(cfg: Config, layout: Layout, todo: list[dict], model: str):
+    pool = make_clients(cfg.generate)
+    try:
+        with JsonlAppender(layout.raw_responses, cfg.generate.fsync_every) as raw, JsonlAppender(layout.failed, 1) as failed:
+            generator = Generator(cfg, pool, model, raw, failed, seed=cfg.data.seed)
+            completed = await generator.run(todo)
+    finally:
+        for c in pool:
+            await c.close()
+    return generator, not completed

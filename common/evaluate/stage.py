@@ -444,10 +444,8 @@ def offline_prediction(cfg: Config, draft: Path, draft_sha: str) -> tuple[Option
     at that step: `--draft RUN/train/best` is compared with the best checkpoint's prediction, never the
     final draft's.
     """
-    from common.train.export import BEST_JSON  # imports torch: only when needed
-
     layout = Layout.of(cfg)
-    exports = {layout.final: "training_summary.json", layout.best: BEST_JSON}
+    exports = layout.export_records
     same = [d for d in exports if d.resolve() == draft.resolve()]  # the very files: nothing to compare
 
     def same_weights(d: Path) -> bool:

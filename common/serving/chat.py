@@ -5,8 +5,9 @@
 read the answers here, so a setting such as generate.extra_body reaches every request the same way.
 
 - `make_client` / `make_clients`: the OpenAI client (async for 01b, blocking for 05's thread
-  pool), its httpx connection pool sized to the requests in flight, the API key read from the
-  environment variable generate.api_key_env (never logged, never written).
+  pool), its httpx connection pool sized to the requests in flight, every call held to its timeout
+  in all (common.serving.http), the API key read from the environment variable
+  generate.api_key_env (never logged, never written).
 - `chat_request`: the one request body: model, messages, max_tokens, sampling, and extra_body =
   generate.extra_body + enable_thinking (as chat_template_kwargs) + return_token_ids when asked.
 - `parse_completion`: a chat completion -> {"reasoning", "content", "finish_reason", "usage"}
@@ -41,13 +42,16 @@ def make_client(g: GenerateConfig, base_url: Optional[str] = None, *, connection
                 blocking: bool = False, max_retries: int = 0):
     """An OpenAI client for the server at base_url (default generate.base_url).
 
-    Timeout generate.timeout_s per request; a pool of `connections` (default generate.concurrency)
-    + 8 connections. blocking=False gives an AsyncOpenAI (01b), True an OpenAI for a thread pool
-    (05). max_retries: openai-python's own silent retries; 01b retries itself, with backoff and
-    accounting, so it keeps the default 0.
+    Timeout generate.timeout_s per request, a total deadline (common.serving.http: a server sending
+    a byte a second cannot hold a request longer); a pool of `connections` (default
+    generate.concurrency) + 8 connections. blocking=False gives an AsyncOpenAI (01b), True an OpenAI
+    for a thread pool (05). max_retries: openai-python's own silent retries; 01b retries itself, with
+    backoff and accounting, so it keeps the default 0.
     """
     import httpx2
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient, DefaultHttpxClient, OpenAI
+
+    from common.serving.http import with_deadlines
 
     connections = (connections or g.concurrency) + 8
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
@@ -57,7 +61,7 @@ def make_client(g: GenerateConfig, base_url: Optional[str] = None, *, connection
         api_key=api_key(g),
         timeout=g.timeout_s,
         max_retries=max_retries,
-        http_client=http_cls(limits=limits, timeout=g.timeout_s),
+        http_client=with_deadlines(http_cls(limits=limits, timeout=g.timeout_s)),
     )
 
 
@@ -77,8 +81,13 @@ def server_root(base_url: str) -> str:
 
 def served_model(client) -> str:
     """The first model a (blocking) client's server lists."""
+    import openai
+
     try:
         models = [m.id for m in client.models.list().data]
+    except openai.OpenAIError as e:  # no complete answer within the client's timeout, a refused connection, 4xx/5xx
+        raise PipelineError(f"the server at {client.base_url} did not list its models (GET /v1/models: {type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:200]}); see the vLLM server log under run_dir/logs/") from None
     except (AttributeError, TypeError):  # openai's parser on a 200 that is not JSON (an HTML page)
         raise PipelineError("the server answered GET /v1/models with something that is not an OpenAI model list (an HTML "
                             "page?); is it the vLLM server?") from None

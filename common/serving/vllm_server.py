@@ -25,8 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -36,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.core.errors import PipelineError
 from common.core.run_folder import Layout
 from common.serving.chat import server_root
+from common.serving.http import http_get
 from common.serving.vllm_version import check_vllm_version
 
 
@@ -97,15 +96,6 @@ def cpu_thread_binding(tensor_parallel_size: int) -> Optional[str]:
                             f"{len(cores)}; lower the tensor parallel size")
     per_rank = len(cores) // tensor_parallel_size
     return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tensor_parallel_size))
-
-
-def _http_get(url: str, timeout: float = 5.0, api_key: Optional[str] = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, resp.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, ""
 
 
 class VllmServer:
@@ -257,7 +247,8 @@ class VllmServer:
                     f"vLLM server for {self.model} exited with code {code} during startup (full log: {self.log_path}); "
                     f"last log lines:\n{self.log_tail()}"
                 )
-            if self.is_ready():
+            # each poll ends by the deadline too (a server answering a byte a second cannot hold one)
+            if self.is_ready(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
                 if self.listens_here() is False:
                     raise PipelineError(f"a server answers on {self.url} but it is not the vLLM server this run started "
                                         f"(no process of ours listens on port {self.port}); stop the other server or set "
@@ -270,13 +261,15 @@ class VllmServer:
                 )
             time.sleep(1.0)
 
-    def is_ready(self) -> bool:
-        """/health answers 200 and /v1/models lists the model this server was asked to serve."""
+    def is_ready(self, timeout: float = 5.0) -> bool:
+        """/health answers 200 and /v1/models lists the model this server was asked to serve, both
+        within `timeout` seconds in all."""
+        deadline = time.monotonic() + timeout
         try:
-            code, _ = _http_get(self.url + "/health", timeout=2.0)
+            code, _ = http_get(self.url + "/health", timeout=timeout)
             if code != 200:
                 return False
-            code, body = _http_get(self.base_url + "/models", timeout=5.0, api_key=self.api_key)
+            code, body = http_get(self.base_url + "/models", timeout=max(0.1, deadline - time.monotonic()), api_key=self.api_key)
             models = json.loads(body).get("data") if code == 200 else None
             return isinstance(models, list) and any(
                 isinstance(m, dict) and m.get("id") == (self.served_model_name or self.model) for m in models)
@@ -357,10 +350,11 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
 
 
 def scrape_metrics(url: str, timeout: float = 10.0, api_key: Optional[str] = None) -> dict[str, list[tuple[dict, float]]]:
-    """GET {server root}/metrics and parse it. `url` may be the root or the .../v1 base URL."""
+    """GET {server root}/metrics, answered in full within `timeout` seconds, and parse it. `url` may be
+    the root or the .../v1 base URL."""
     root = server_root(url)
     try:
-        code, body = _http_get(root + "/metrics", timeout=timeout, api_key=api_key)
+        code, body = http_get(root + "/metrics", timeout=timeout, api_key=api_key)
     except OSError as e:
         raise PipelineError(f"cannot read metrics from {root}/metrics ({e}); is the vLLM server running?") from None
     if code != 200:

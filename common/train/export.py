@@ -9,7 +9,7 @@ from pathlib import Path
 
 from common.core.distributed import DistEnv, barrier
 from common.core.io import atomic_write_json, fsync_dir
-from common.core.run_folder import Layout
+from common.core.run_folder import BEST_JSON, TRAINING_SUMMARY, Layout
 from common.model.draft import DraftModelConfig, Eagle3DraftModel
 from common.model.export import export_vllm_draft
 from common.train.checkpoint import checkpoint_problem, full_model_state, writing
@@ -33,14 +33,13 @@ def _export_on_main(env, draft, draft_cfg, index, summary, full, tmp: Path, fina
             to_export = Eagle3DraftModel(draft_cfg)
             to_export.load_state_dict(full, strict=False)
         export_vllm_draft(to_export, tmp, extra_config={"eagle_aux_hidden_state_layer_ids": list(index.aux_layer_ids)})
-        atomic_write_json(tmp / "training_summary.json", summary)
+        atomic_write_json(tmp / TRAINING_SUMMARY, summary)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(final.parent)
 
 
-BEST_JSON = "best.json"
 
 
 def export_best(env: DistEnv, draft_cfg: DraftModelConfig, index, layout: Layout, best: dict | None, last_step: int) -> str:

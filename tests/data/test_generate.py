@@ -511,13 +511,15 @@ def test_server_mode_without_token_ids_fails_clearly(run_dir, write_config, chat
         report = json.loads((run_dir / "data" / "generate_report.json").read_text())
         assert report["this_run"]["failure_reasons"] == {"MissingTokenIds": 2} and report["this_run"]["retries"] == 0
 
-    # A server that never returns ids (vLLM < 0.10): one 1-token preflight request, then a clear error.
+    # A server that never returns ids (vLLM < 0.10): one 1-token preflight request, then a clear error,
+    # before --overwrite deletes anything (issue 25: a refused start keeps the previous outputs).
+    previous = (run_dir / "data" / "raw_responses.jsonl").read_bytes()
     with FaultServer(Faults(seed=1), token_ids=False) as old_server:
         with pytest.raises(PipelineError, match="server did not return token ids.*vLLM >= 0.10.*token_ids_from=template"):
             run_stage(load_config(config(write_config, old_server, chat_tokenizer_dir, tokenize={"token_ids_from": "server"})),
                       overwrite=True)
         assert old_server.stats.chat_requests == 1
-    assert not (run_dir / "data" / "raw_responses.jsonl").exists()
+    assert (run_dir / "data" / "raw_responses.jsonl").read_bytes() == previous
 
     # Rows generated without ids (template mode) cannot become server samples: said before any request.
     with FaultServer(Faults(seed=1)) as server:
