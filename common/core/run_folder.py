@@ -140,6 +140,10 @@ class Layout:
         """02's vllm backend: the KV connector's per-request files of rank `rank` (removed when read)."""
         return self.hidden / f"vllm-requests.rank-{rank:05d}.tmp"
 
+    def vllm_requests_dirs(self) -> list[Path]:
+        """Every rank's vllm_requests directory on disk (a killed 02 leaves them)."""
+        return sorted(self.hidden.glob("vllm-requests.rank-*.tmp"))
+
     # 03
     @property
     def vocab(self) -> Path:

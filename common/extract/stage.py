@@ -33,12 +33,19 @@ Resume and integrity
   sha256, or size for huge runs); a missing, truncated or corrupted shard is reported and recomputed.
   An index or plan in a format_version this code does not read is an error that suggests --overwrite. A shard file that exists but is not in the
   index (killed between rename and index update) is recomputed. Changed inputs or settings are a clear
-  error that suggests --overwrite.
+  error that suggests --overwrite. plan.json's sha256 is recorded in 02's manifest before the plan is
+  written; a plan whose settings, budget or sha256 disagree (edited or replaced) is refused before anything
+  is extracted by it. The temp files and vllm request directories a killed run left are removed.
+- --overwrite: everything that can refuse comes first (check_overwrite: every sample, the new plan, the free
+  disk; then the backend's own start), and only then are the previous outputs deleted.
 
 Rounds under a disk budget (extract.max_disk_gb; docs/design.md#rounds-under-a-disk-budget)
 - When the data set does not fit, plan_rounds cuts each epoch's seeded permutation of the train samples
   into rounds that fit beside the eval shards; a run extracts the rounds that are due (not in
   hidden/consumed.json, which 04 writes) and exits. Everything above holds within a round.
+- The budget covers every file in hidden/: beside the shards (bounded by shard_bytes), make_plan reserves
+  plan["reserve_bytes"] for the bookkeeping (plan.json, index.json, index fragments, consumed.json and the temp
+  copies of their atomic rewrites; common.hidden.shards.bookkeeping_bytes), measured on the plan itself.
 
 Placement and multi-GPU
 - Single process: extract.device (auto = cuda if available, else cpu). target.device_map "auto" puts the
@@ -66,6 +73,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import hashlib
+import json
 import logging
 import shutil
 import sys
@@ -79,11 +87,12 @@ from tqdm import tqdm
 from common.target.loading import target_fingerprint
 from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import ConfigError, DataError, PipelineError
-from common.core.io import atomic_write_json, bytes_bar, format_bytes, read_json
+from common.core.io import atomic_write_text, bytes_bar, file_sha256, format_bytes, read_json
 from common.core.run_folder import Layout, StageManifest, remember_fingerprint
 from common.hidden.stream import StreamWait
-from common.hidden.shards import (FORMAT_VERSION, build_index, bytes_per_token, check_format_version, describe_bytes_per_token, index_header,
-                                  read_consumed, read_entries, rounds_on_disk, shard_entry, verify_entry, write_fragment, write_index, write_shard)
+from common.hidden.shards import (FORMAT_VERSION, bookkeeping_bytes, build_index, bytes_per_token, check_format_version,
+                                  describe_bytes_per_token, index_header, json_text, read_consumed, read_entries, rounds_on_disk,
+                                  shard_entry, verify_entry, write_fragment, write_index, write_shard)
 
 if TYPE_CHECKING:  # torch is imported only when the stage runs
     from common.core.distributed import DistEnv
@@ -223,9 +232,15 @@ def sample_bytes(length: int, per_token: int) -> int:
     return length * per_token + 8
 
 
-def plan_rounds(cfg, train: SplitScan, eval_scans: list[SplitScan], per_token: int, layout: Layout
-                ) -> tuple[list[dict], list[dict], int] | None:
-    """Rounds mode (extract.max_disk_gb): (train shards, rounds, eval bytes), or None when the whole data set fits.
+def shard_bytes(shard: dict, per_token: int) -> int:
+    """A planned shard's size on disk, at most: its samples and the header (SHARD_OVERHEAD)."""
+    return shard["num_tokens"] * per_token + 8 * shard["num_samples"] + SHARD_OVERHEAD
+
+
+def plan_rounds(cfg, train: SplitScan, per_token: int, layout: Layout, eval_bytes: int, reserve: int
+                ) -> tuple[list[dict], list[dict]]:
+    """Rounds mode (extract.max_disk_gb): (train shards, rounds) for a budget that also holds the eval shards
+    (eval_bytes) and the bookkeeping (reserve: plan.json, index.json, ...; bookkeeping_bytes).
 
     Per epoch, a seeded permutation (train.seed, epoch) of the train samples is cut into rounds whose shards
     fit the budget next to the eval shards (kept from the first round to the last; streaming: two rounds
@@ -236,21 +251,17 @@ def plan_rounds(cfg, train: SplitScan, eval_scans: list[SplitScan], per_token: i
 
     budget = int(cfg.extract.max_disk_gb * 1e9)
     shard_max = cfg.extract.shard_max_tokens
-    eval_bytes = sum(sample_bytes(s.length, per_token) for sc in eval_scans for s in sc.samples)
-    eval_bytes += SHARD_OVERHEAD * sum(-(-sum(s.length for s in sc.samples) // shard_max) + 1 for sc in eval_scans)
-    train_bytes = sum(sample_bytes(s.length, per_token) for s in train.samples) + SHARD_OVERHEAD * (len(train.samples) // 2 + 1)
-    if eval_bytes + train_bytes <= budget:
-        return None
     # streaming: two rounds on disk at once, the one 04 trains and the one 02 extracts
     slots = 2 if cfg.extract.stream else 1
-    capacity = (budget - eval_bytes) // slots
+    capacity = (budget - eval_bytes - reserve) // slots
     largest = max(sample_bytes(s.length, per_token) for s in train.samples) + SHARD_OVERHEAD
     if capacity < largest:
         two = " and, streaming, two rounds of" if slots == 2 else ""
         raise ConfigError(
-            f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} cannot hold the eval shards ({format_bytes(eval_bytes)}){two} the "
+            f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} cannot hold the eval shards ({format_bytes(eval_bytes)}), "
+            f"02's and 04's bookkeeping in hidden/ (plan.json, index.json, consumed.json: {format_bytes(reserve)}){two} and the "
             f"longest train sample ({format_bytes(largest)}); raise extract.max_disk_gb to at least "
-            f"{(eval_bytes + slots * largest) / 1e9:.3g} (a few rounds' worth is better: each round restarts the engine)")
+            f"{(eval_bytes + reserve + slots * largest) / 1e9:.3g} (a few rounds' worth is better: each round restarts the engine)")
     shards: list[dict] = []
     rounds: list[dict] = []
     for epoch in range(cfg.train.epochs):
@@ -293,7 +304,7 @@ def plan_rounds(cfg, train: SplitScan, eval_scans: list[SplitScan], per_token: i
             run_tokens += sample.length
             run_bytes += size
         close_round()
-    return shards, rounds, eval_bytes
+    return shards, rounds
 
 
 def read_shard_samples(path: Path, shard: dict) -> list[dict]:
@@ -323,8 +334,10 @@ def read_shard_samples(path: Path, shard: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_disk_space(hidden_dir: Path, needed: int, min_free_gb: float, disk_usage: Callable = shutil.disk_usage) -> None:
-    free = disk_usage(hidden_dir).free
+def check_disk_space(hidden_dir: Path, needed: int, min_free_gb: float, disk_usage: Callable = shutil.disk_usage,
+                     freed: int = 0) -> None:
+    """freed: what --overwrite will delete first (it is checked before the deletion)."""
+    free = disk_usage(hidden_dir).free + freed
     headroom = int(min_free_gb * 1e9)
     required = needed + headroom  # the shards, and the head-room left free after them
     if required > free:
@@ -372,18 +385,29 @@ def _max_positions(info) -> int | None:
     return int(value) if value else None
 
 
-def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
+def prepare(cfg, info, layout: Layout, fresh: dict | None = None) -> dict:
     """Rank 0's setup: plan (new or checked), verification of existing shards, disk check.
 
+    fresh: --overwrite's new plan, made by check_overwrite, which checked everything that can refuse
+    before this deletes the previous outputs.
     Returns {"status": "complete"|"todo", "plan", "entries", "todo": [shard files], ...}.
     """
     paths = input_paths(layout)
-    clear_outputs(layout, overwrite)
+    manifest = stage_manifest(cfg, info)
     plan_path = layout.hidden_plan
-    # Changed inputs or settings since the plan was made: one error asking for --overwrite.
-    stage_manifest(cfg, info).begin(overwrite, outputs=[layout.hidden_index], started=plan_path.is_file())
-    plan = load_plan(cfg, plan_path) if plan_path.is_file() else make_plan(cfg, info, paths, layout)
-    header = index_header(plan["settings"], cfg.target.model, plan["inputs"], target_fingerprint(layout, cfg.target.model))
+    if fresh is not None:
+        delete_outputs(layout)
+        manifest.begin(True)
+        plan = write_plan(layout, manifest, fresh)
+    else:
+        clear_temp(layout)
+        # Changed inputs or settings since the plan was made: one error asking for --overwrite.
+        manifest.begin(False, outputs=[layout.hidden_index], started=plan_path.is_file())
+        if plan_path.is_file():
+            plan = load_plan(cfg, info, layout, manifest.result.get("plan_sha256"))
+        else:
+            plan = write_plan(layout, manifest, make_plan(cfg, info, paths, layout))
+    header = plan_header(cfg, layout, plan)
     todo, entries, note = survey(cfg, layout, plan)
     if not todo:
         index = build_index(header, plan["shards"], entries)
@@ -395,9 +419,38 @@ def prepare(cfg, info, layout: Layout, overwrite: bool) -> dict:
             frag.unlink(missing_ok=True)
         return {"status": "complete", "plan": plan, "entries": entries, "todo": [], "header": header, "note": note,
                 "complete": index["complete"]}
-    check_disk_for(cfg, layout, plan, header, todo)
+    if fresh is None:  # check_overwrite checked the disk before the deletion
+        check_disk_for(cfg, layout, plan, header, todo)
     write_index(layout.hidden_index, build_index(header, plan["shards"], entries))
     return {"status": "todo", "plan": plan, "entries": entries, "todo": todo, "header": header, "note": note}
+
+
+def check_overwrite(cfg, info, layout: Layout) -> dict:
+    """--overwrite, rank 0: everything that can refuse, before anything is deleted (a refused --overwrite
+    leaves the previous outputs whole): every input sample, the new plan (the disk budget) and the free
+    disk space its first shards need, counting what the deletion frees. Returns the plan (not written)."""
+    paths = input_paths(layout)
+    clear_temp(layout)
+    plan = make_plan(cfg, info, paths, layout)
+    header = plan_header(cfg, layout, plan)
+    freed = sum(p.stat().st_size for p in outputs_of(layout) if p.is_file())
+    check_disk_for(cfg, layout, plan, header, due_shards(plan, set()), freed)
+    return plan
+
+
+def plan_header(cfg, layout: Layout, plan: dict) -> dict:
+    """index.json's header for this plan (common.hidden.shards.index_header)."""
+    return index_header(plan["settings"], cfg.target.model, plan["inputs"], target_fingerprint(layout, cfg.target.model))
+
+
+def due_shards(plan: dict, consumed: set[int]) -> list[str]:
+    """The shards that should be on disk now: all of them, or in rounds mode the eval shards first (so
+    that a streaming 04 can start) and then the next rounds that fit the budget."""
+    if "rounds" not in plan:
+        return [s["file"] for s in plan["shards"]]
+    now = rounds_on_disk(plan, consumed)
+    return ([s["file"] for s in plan["shards"] if s["split"] != "train"] +
+            [s["file"] for s in plan["shards"] if s["split"] == "train" and s["round"] in now])
 
 
 def survey(cfg, layout: Layout, plan: dict, known: dict[str, dict] | None = None) -> tuple[list[str], dict[str, dict], str | None]:
@@ -424,8 +477,7 @@ def round_shards_wanted(layout: Layout, plan: dict) -> tuple[list[str], dict[str
     entries = read_entries(layout.hidden_index, layout.index_fragments())
     gone = {f for r in consumed for f in rounds[r]["shards"]}
     kept = {f: e for f, e in entries.items() if f in gone}
-    wanted = ([s["file"] for s in plan["shards"] if s["split"] != "train"] +
-              [s["file"] for s in plan["shards"] if s["split"] == "train" and s["round"] in now])
+    wanted = due_shards(plan, consumed)
     due = set(wanted)
     for s in plan["shards"]:
         if s["split"] == "train" and s["file"] not in due:
@@ -439,20 +491,61 @@ def round_shards_wanted(layout: Layout, plan: dict) -> tuple[list[str], dict[str
     return wanted, kept, note
 
 
-def clear_outputs(layout: Layout, overwrite: bool) -> None:
-    """--overwrite: remove everything 02 wrote; always: temp files a killed run left behind."""
+def outputs_of(layout: Layout) -> list[Path]:
+    """Everything 02 wrote (and 04's consumed.json, which belongs to 02's plan): what --overwrite deletes."""
+    return layout.shard_files() + [layout.hidden_index, *layout.index_fragments(), layout.hidden_plan, layout.hidden_consumed]
+
+
+def delete_outputs(layout: Layout) -> None:
+    """--overwrite, once everything that can refuse has been checked (check_overwrite)."""
+    for p in outputs_of(layout):
+        p.unlink(missing_ok=True)
+
+
+def clear_temp(layout: Layout) -> None:
+    """What a killed 02 left behind, never visible under a final name: temp files of atomic writes, and the
+    vllm backend's request directories (an engine is opened after this, so none of them is in use). A temp
+    copy of consumed.json is 04's: a streaming 04 may be writing it right now."""
     hidden_dir = layout.hidden
-    if overwrite and hidden_dir.exists():
-        for p in layout.shard_files() + [layout.hidden_index, *layout.index_fragments(), layout.hidden_plan, layout.hidden_consumed]:
-            p.unlink(missing_ok=True)
     hidden_dir.mkdir(parents=True, exist_ok=True)
-    for tmp in hidden_dir.glob(".tmp-*"):  # never visible under a final name
-        tmp.unlink(missing_ok=True)
+    for tmp in hidden_dir.glob(".tmp-*"):
+        if not tmp.name.startswith(f".tmp-{layout.hidden_consumed.name}."):
+            tmp.unlink(missing_ok=True)
+    for requests in layout.vllm_requests_dirs():
+        shutil.rmtree(requests, ignore_errors=True)
 
 
-def load_plan(cfg, plan_path: Path) -> dict:
+def write_plan(layout: Layout, manifest: StageManifest, plan: dict) -> dict:
+    """Save the plan; its sha256 goes into 02's manifest first, so that a plan edited or replaced later
+    is refused (load_plan) instead of trusted (a kill between the two leaves no plan: it is made again)."""
+    text = json_text(plan)
+    manifest.partial({**manifest.result, "plan_sha256": hashlib.sha256(text.encode()).hexdigest()}, outcome="running")
+    atomic_write_text(layout.hidden_plan, text)
+    return plan
+
+
+def load_plan(cfg, info, layout: Layout, recorded_sha256: str | None) -> dict:
+    """plan.json as 02 made it for this config. A plan whose settings or budget disagree with the config, or
+    whose sha256 is not the one write_plan recorded, was edited or replaced: extracting by it could break
+    extract.max_disk_gb or mix samples, so it is refused before anything is deleted or extracted."""
+    plan_path = layout.hidden_plan
     plan = read_json(plan_path)
     check_format_version(plan, plan_path)
+    redo = (f"restore the plan 02 made, or rerun 02_extract_hidden.py with --overwrite to plan again (it deletes what "
+            f"{layout.hidden} holds)")
+    settings = json.loads(json.dumps(_settings(cfg, info)))
+    planned = plan.get("settings") if isinstance(plan.get("settings"), dict) else {}
+    changed = sorted(k for k in set(settings) | set(planned) if planned.get(k) != settings.get(k))
+    if changed:
+        raise DataError(f"{plan_path} was made for other settings than the config's ("
+                        f"{'; '.join(f'{k}: {json.dumps(planned.get(k))} in the plan, {json.dumps(settings.get(k))} now' for k in changed)}); {redo}")
+    if "rounds" in plan and plan.get("max_disk_bytes") != int(cfg.extract.max_disk_gb * 1e9):
+        raise DataError(f"{plan_path} cuts its rounds for max_disk_bytes {json.dumps(plan.get('max_disk_bytes'))}, but "
+                        f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} is {int(cfg.extract.max_disk_gb * 1e9)} bytes: the plan "
+                        f"was edited; {redo}")
+    if recorded_sha256 is not None and file_sha256(plan_path) != recorded_sha256:
+        raise DataError(f"{plan_path} is not the plan 02 made (its sha256 differs from the one recorded in "
+                        f"{layout.manifest('02_extract_hidden')}): it was edited or replaced; {redo}")
     if plan.get("batch_max_tokens") != cfg.extract.batch_max_tokens:
         log.warning("extract.batch_max_tokens changed (%s -> %s): new shards are batched differently (same values "
                     "up to rounding, not byte-identical)", plan.get("batch_max_tokens"), cfg.extract.batch_max_tokens)
@@ -460,7 +553,10 @@ def load_plan(cfg, plan_path: Path) -> dict:
 
 
 def make_plan(cfg, info, paths: dict[str, Path], layout: Layout) -> dict:
-    """Check every sample and fix which samples go in which shard, before the first forward pass."""
+    """Check every sample and fix which samples go in which shard, before the first forward pass (the
+    caller saves it: write_plan)."""
+    from common.extract.vllm_backend import check_prompt_lengths, max_model_len, resolve_backend
+
     max_pos = _max_positions(info)
     scans = [scan_split(p, split, info.vocab_size, max_pos, cfg.target.model) for split, p in paths.items()]
     if not scans[0].samples:
@@ -469,31 +565,50 @@ def make_plan(cfg, info, paths: dict[str, Path], layout: Layout) -> dict:
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise DataError(f"sample id '{dup}' appears more than once in data/train.jsonl + data/eval.jsonl; ids must be unique")
+    if resolve_backend(cfg) == "vllm":  # before --overwrite deletes anything, not at the first long sample
+        check_prompt_lengths(max_model_len(cfg, info) - 1, ((s.id, s.length) for scan in scans for s in scan.samples))
     settings = _settings(cfg, info)
     per_token = bytes_per_token(len(info.aux_layer_ids), info.hidden_size, cfg.extract.dtype, cfg.extract.storage)
-    in_rounds = plan_rounds(cfg, scans[0], scans[1:], per_token, layout) if cfg.extract.max_disk_gb is not None else None
-    if in_rounds is None:
-        shards, rounds = make_plan_shards(scans, cfg.extract.shard_max_tokens, layout), None
-    else:
-        train_shards, rounds, eval_bytes = in_rounds
-        shards = train_shards + make_plan_shards(scans[1:], cfg.extract.shard_max_tokens, layout, first=len(train_shards))
+    shard_max = cfg.extract.shard_max_tokens
     plan = {
         "format_version": FORMAT_VERSION,
         "settings": settings,
         "batch_max_tokens": cfg.extract.batch_max_tokens,
         "inputs": {scan.split: {"file": layout.name(scan.path), "sha256": scan.sha256, "num_samples": len(scan.samples),
                                 "num_tokens": sum(s.length for s in scan.samples)} for scan in scans},
-        "shards": shards,
+        "shards": make_plan_shards(scans, shard_max, layout),
     }
-    if rounds is not None:
-        plan["rounds"] = rounds
-        plan["max_disk_bytes"] = int(cfg.extract.max_disk_gb * 1e9)
-        plan["eval_bytes"] = eval_bytes
-        epochs = cfg.train.epochs
+    if cfg.extract.max_disk_gb is None:
+        return plan
+    # extract.max_disk_gb bounds every file in hidden/: the shards, and the bookkeeping (plan.json, index.json,
+    # consumed.json, ...), which grows with the number of shards and rounds. Plan with a reserve for it, measure
+    # what that plan's bookkeeping takes, and plan again with more until the reserve holds it.
+    budget = int(cfg.extract.max_disk_gb * 1e9)
+    whole, header = dict(plan), plan_header(cfg, layout, plan)
+
+    def bound(shard: dict) -> int:
+        return shard_bytes(shard, per_token)
+
+    eval_bytes = sum(bound(s) for s in make_plan_shards(scans[1:], shard_max, layout))
+    reserve = 0
+    while True:
+        if sum(bound(s) for s in whole["shards"]) + reserve <= budget:
+            plan = whole
+        else:
+            train_shards, rounds = plan_rounds(cfg, scans[0], per_token, layout, eval_bytes, reserve)
+            plan = {**whole, "shards": train_shards + make_plan_shards(scans[1:], shard_max, layout, first=len(train_shards)),
+                    "rounds": rounds, "max_disk_bytes": budget, "eval_bytes": eval_bytes, "reserve_bytes": reserve}
+        need = bookkeeping_bytes(plan, header, bound)
+        if need <= reserve:
+            break
+        reserve = need + need // 8  # a little more: a tighter cut adds shards, and with them plan and index bytes
+    if "rounds" in plan:
+        rounds, epochs = plan["rounds"], cfg.train.epochs
         print(f"02_extract_hidden: the data set does not fit extract.max_disk_gb={cfg.extract.max_disk_gb:g}: {len(rounds)} rounds "
               f"for {epochs} epoch(s) (~{len(rounds) / epochs:.1f} per epoch, up to {format_bytes(max(r['bytes'] for r in rounds))} "
-              f"each); 02 extracts a round, 04 trains on it and deletes it (run_pipeline.py alternates them)", flush=True)
-    atomic_write_json(layout.hidden_plan, plan)
+              f"each, beside {format_bytes(plan['eval_bytes'])} of eval shards and up to {format_bytes(plan['reserve_bytes'])} "
+              f"of plan, index and bookkeeping); 02 extracts a round, 04 trains on it and deletes it (run_pipeline.py "
+              f"alternates them)", flush=True)
     return plan
 
 
@@ -517,17 +632,18 @@ def verified_shards(cfg, layout: Layout, plan: dict, wanted: set[str]) -> dict[s
     return good
 
 
-def check_disk_for(cfg, layout: Layout, plan: dict, header: dict, todo: list[str]) -> None:
-    """What the remaining shards need on disk, said and checked before any forward pass."""
+def check_disk_for(cfg, layout: Layout, plan: dict, header: dict, todo: list[str], freed: int = 0) -> None:
+    """What the remaining shards need on disk, said and checked before any forward pass (freed: what
+    --overwrite deletes first)."""
     per_token = header["bytes_per_token"]
     shards_by_name = {s["file"]: s for s in plan["shards"]}
     tokens = sum(shards_by_name[f]["num_tokens"] for f in todo)
-    needed = tokens * per_token + sum(8 * (shards_by_name[f]["num_samples"] + 1) + 1024 for f in todo)
+    needed = sum(shard_bytes(shards_by_name[f], per_token) for f in todo)
     s = plan["settings"]
     per_token_text = describe_bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"], header["storage"])
     print(f"02_extract_hidden: {len(todo)}/{len(plan['shards'])} shards to write, {tokens:,} tokens x {per_token_text} "
           f"= {format_bytes(needed)} needed", flush=True)
-    check_disk_space(layout.hidden, needed, cfg.extract.min_free_disk_gb)
+    check_disk_space(layout.hidden, needed, cfg.extract.min_free_disk_gb, freed=freed)
 
 
 def run_extraction(cfg, overwrite: bool = False) -> dict:
@@ -542,28 +658,38 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
     hidden_dir = layout.hidden
     # gloo for coordination only (tiny objects); long timeout: ranks finish at different times.
     env = init_distributed("gloo", timeout=datetime.timedelta(days=7))
+    extractor = None
     try:
         _check_parallelism(cfg, info, env)
-        setup = on_rank0(lambda: prepare(cfg, info, layout, overwrite), env)
+        fresh: dict = {}
+        if overwrite:
+            # Every refusal before --overwrite deletes anything: the inputs, the plan and the disk (rank 0), then
+            # the backend's own (a target too large for transformers, a vLLM engine that cannot start).
+            def check() -> dict:
+                fresh["plan"] = check_overwrite(cfg, info, layout)
+                return {}
+
+            on_rank0(check, env)
+            extractor = open_extractor(cfg, info, layout, env, torch_dtype(cfg.extract.dtype))
+        setup = on_rank0(lambda: prepare(cfg, info, layout, fresh.get("plan")), env)
         plan, header = setup["plan"], setup["header"]
         streaming = cfg.extract.stream and "rounds" in plan
         if setup["status"] == "complete" and (not streaming or setup["complete"]):
             index = build_index(header, plan["shards"], setup["entries"])
             if env.is_main and setup["note"] and not index["complete"]:  # rounds: this round is there, 04's turn
                 print(f"02_extract_hidden: {setup['note']}", flush=True)
-                stage_manifest(cfg, info).partial({"num_shards": index["num_shards"]}, outcome="round_done")
+                record_result(cfg, info, index, "round_done")
             elif env.is_main:
                 what = (f"all {len(plan['rounds'])} rounds extracted" if "rounds" in plan else
                         f"{index['num_shards']} shards, {index['num_tokens']:,} tokens, {format_bytes(index['bytes'])}")
                 print(f"02_extract_hidden: already complete ({what}) in {hidden_dir}; use --overwrite to redo", flush=True)
-                stage_manifest(cfg, info).complete({"num_shards": index["num_shards"]}, outcome="already_complete")
+                record_result(cfg, info, index, "already_complete")
             return {"status": "complete", "complete": index["complete"], **{k: index[k] for k in ("num_shards", "num_tokens", "bytes")}}
 
         # Extract what is due; streaming: then wait for 04 to free room, and go on until every round is extracted.
         owner = {s["file"]: k % env.world_size for k, s in enumerate(plan["shards"])}  # shard k goes to rank k % world
         wait = StreamWait("02_extract_hidden", "04_train", [layout.hidden_consumed, layout.metrics, layout.manifest("04_train")],
                           cfg.extract.stream_wait_minutes, lambda text: print(text, flush=True))
-        extractor = None
         summary = {"tokens": 0, "bytes": 0, "seconds": 0.0, "shards": 0}
         try:
             while True:
@@ -585,6 +711,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
         finally:
             if extractor is not None:
                 extractor.close()
+                extractor = None
         summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
         if env.is_main:
             index = build_index(header, plan["shards"], read_entries(layout.hidden_index, layout.index_fragments()))
@@ -601,14 +728,23 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
             if setup["note"] and not index["complete"]:
                 print(f"02_extract_hidden: {setup['note']}", flush=True)
             summary["complete"] = index["complete"]
-            manifest = stage_manifest(cfg, info)
-            if index["complete"]:
-                manifest.complete({"num_shards": index["num_shards"]})
-            else:
-                manifest.partial({"num_shards": index["num_shards"]}, outcome="round_done" if setup["note"] else "partial")
+            record_result(cfg, info, index, "done" if index["complete"] else "round_done" if setup["note"] else "partial")
         return {"status": "extracted", **summary}
     finally:
+        if extractor is not None:  # --overwrite opened it before prepare, which may have refused
+            extractor.close()
         close_distributed(env)
+
+
+def record_result(cfg, info, index: dict, outcome: str) -> None:
+    """02's manifest after a run: complete when every planned shard is there; the result keeps the plan's
+    sha256 (write_plan)."""
+    manifest = stage_manifest(cfg, info)
+    result = {**manifest.result, "num_shards": index["num_shards"]}
+    if index["complete"]:
+        manifest.complete(result, outcome=outcome)
+    else:
+        manifest.partial(result, outcome=outcome)
 
 
 def on_rank0(decide: Callable[[], dict], env: DistEnv) -> dict:

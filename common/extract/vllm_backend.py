@@ -24,13 +24,17 @@ See docs/design.md, "Hidden-state extraction through vLLM".
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import multiprocessing
 import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 from common.core.errors import ConfigError, PipelineError
 from common.serving.vllm_server import cpu_attention_backend, cpu_thread_binding
@@ -69,6 +73,82 @@ def check_vllm_target(cfg, info) -> None:
                           f"cannot capture (no residual before layer 0); use ids >= 1, or --set extract.backend=hf")
 
 
+def max_model_len(cfg, info) -> int:
+    """The engine's max_model_len: a prompt of L tokens plus the one sampled token, room for the longest
+    sample 01b can produce (tokenize.max_seq_len), within the target's max_position_embeddings."""
+    max_pos = getattr(info.text_config, "max_position_embeddings", None)
+    return min(int(max_pos) if max_pos else 1 << 30, cfg.tokenize.max_seq_len + 1)
+
+
+def check_prompt_lengths(limit: int, lengths: Iterable[tuple[str, int]]) -> None:
+    """Refuse a sample the engine cannot take ((sample id, tokens) pairs; limit: max_model_len - 1): 02 checks
+    every sample when it plans (before --overwrite deletes anything), and each shard again before its requests."""
+    for sample_id, n in lengths:
+        if n > limit:
+            raise ConfigError(f"sample '{sample_id}' has {n} tokens; the vllm backend runs at most {limit} "
+                              f"(tokenize.max_seq_len); raise tokenize.max_seq_len")
+
+
+NUDGE_S = 0.2  # interruptible(): how often a stopping main thread is nudged
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C stops the block even where vLLM swallows the KeyboardInterrupt: its engine start catches it
+    in a zmq socket's context manager (vllm.utils.network_utils.zmq_socket_ctx) and then waits for the engine
+    to be ready (minutes for a large target; issue 25, case 17). Once a stop signal came, the main thread is
+    nudged with SIGUSR2 every NUDGE_S, whose handler raises KeyboardInterrupt again, until one gets out of
+    the block. common.core.cli's relay (SIGUSR2 nudge, exit after a grace) stays in force around it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping, done = threading.Event(), threading.Event()
+    main = threading.main_thread().ident
+
+    def on_stop(signum, frame):
+        stopping.set()
+        raise KeyboardInterrupt
+
+    def on_nudge(signum, frame):
+        if stopping.is_set():
+            raise KeyboardInterrupt
+
+    def nudge() -> None:
+        while not done.wait(NUDGE_S):
+            if stopping.is_set():
+                signal.pthread_kill(main, signal.SIGUSR2)
+
+    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGINT, on_stop), (signal.SIGUSR2, on_nudge))}
+    nudger = threading.Thread(target=nudge, name="interrupt-nudger", daemon=True)
+    nudger.start()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        done.set()
+
+
+
+def kill_process_trees(pids: Iterable[int]) -> None:
+    """SIGKILL these processes and their descendants: an interrupted engine start is abandoned, and vLLM's
+    engine core finishes loading the target before it obeys the SIGTERM that vLLM and Python's exit send it
+    (minutes for a large target), while the exit waits for it."""
+    import psutil
+
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
 def rms_norm(x, weight, eps: float, out_dtype):
     """The final RMSNorm of Llama/Qwen3/DeepSeek-V3 (x * rsqrt(mean(x^2) + eps) * w), in fp32."""
     import torch
@@ -99,9 +179,7 @@ class VllmExtractor:
         norm = load_target_tensors(cfg.target.model, kinds=("final_norm",))["final_norm"]
         self.norm_weight = norm.to(torch.float32)
         self.norm_eps = float(getattr(info.text_config, "rms_norm_eps", 1e-6))
-        max_pos = getattr(info.text_config, "max_position_embeddings", None)
-        # A prompt of L tokens plus the one sampled token: room for the longest sample 01b can produce.
-        self.max_model_len = min(int(max_pos) if max_pos else 1 << 30, cfg.tokenize.max_seq_len + 1)
+        self.max_model_len = max_model_len(cfg, info)
         on_gpu = torch.cuda.is_available()
         if dp_size > 1:  # vLLM's offline data parallel: one engine per process, told its rank by env
             os.environ.update(VLLM_DP_RANK=str(dp_rank), VLLM_DP_RANK_LOCAL=str(dp_rank), VLLM_DP_SIZE=str(dp_size),
@@ -119,33 +197,39 @@ class VllmExtractor:
 
         log.info("starting vLLM on %s (ids %s, TP %d, DP %d, EP %s)", cfg.target.model, self.ids,
                  cfg.extract.tensor_parallel_size, dp_size, cfg.extract.enable_expert_parallel)
+        before = {p.pid for p in multiprocessing.active_children()}
         try:
-            self.llm = LLM(
-                model=cfg.target.model,
-                dtype=cfg.target.dtype,
-                trust_remote_code=cfg.target.trust_remote_code,
-                skip_tokenizer_init=True,  # token ids in, states out
-                tensor_parallel_size=cfg.extract.tensor_parallel_size,
-                enable_expert_parallel=cfg.extract.enable_expert_parallel,
-                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.ids}}},
-                kv_transfer_config={"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-                                    "kv_role": "kv_producer",
-                                    "kv_connector_extra_config": {"shared_storage_path": str(requests_dir)}},
-                enable_prefix_caching=False,
-                language_model_only=True,  # text only: a multimodal target (Kimi-K2.5) loads no vision tower
-                max_model_len=self.max_model_len,
-                # without chunked prefill (the CPU default) a whole prompt must fit one step
-                max_num_batched_tokens=max(cfg.extract.batch_max_tokens, self.max_model_len),
-                gpu_memory_utilization=cfg.extract.gpu_memory_utilization or (0.9 if on_gpu else 0.3),
-                enforce_eager=not on_gpu,  # CPU: compiling costs minutes and gains little for prefill
-                attention_backend=cpu_attention_backend(cfg.target.model, cfg.target.dtype),
-                seed=0,
-            )
+            with interruptible():  # Ctrl-C stops the start itself
+                self.llm = LLM(
+                    model=cfg.target.model,
+                    dtype=cfg.target.dtype,
+                    trust_remote_code=cfg.target.trust_remote_code,
+                    skip_tokenizer_init=True,  # token ids in, states out
+                    tensor_parallel_size=cfg.extract.tensor_parallel_size,
+                    enable_expert_parallel=cfg.extract.enable_expert_parallel,
+                    speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.ids}}},
+                    kv_transfer_config={"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+                                        "kv_role": "kv_producer",
+                                        "kv_connector_extra_config": {"shared_storage_path": str(requests_dir)}},
+                    enable_prefix_caching=False,
+                    language_model_only=True,  # text only: a multimodal target (Kimi-K2.5) loads no vision tower
+                    max_model_len=self.max_model_len,
+                    # without chunked prefill (the CPU default) a whole prompt must fit one step
+                    max_num_batched_tokens=max(cfg.extract.batch_max_tokens, self.max_model_len),
+                    gpu_memory_utilization=cfg.extract.gpu_memory_utilization or (0.9 if on_gpu else 0.3),
+                    enforce_eager=not on_gpu,  # CPU: compiling costs minutes and gains little for prefill
+                    attention_backend=cpu_attention_backend(cfg.target.model, cfg.target.dtype),
+                    seed=0,
+                )
         except Exception as e:
             shutil.rmtree(requests_dir, ignore_errors=True)
             raise PipelineError(f"vLLM could not start on target.model '{cfg.target.model}': {type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}; see the log above, or use --set extract.backend=hf") from e
+        except BaseException:  # interrupted: nothing of this start stays
+            kill_process_trees(p.pid for p in multiprocessing.active_children() if p.pid not in before)
+            shutil.rmtree(requests_dir, ignore_errors=True)
+            raise
         self._next_id = 0
 
     def _params(self):
@@ -172,10 +256,8 @@ class VllmExtractor:
         engine = self.llm.llm_engine
         params = self._params()
         by_request: dict[str, int] = {}
+        check_prompt_lengths(self.max_model_len - 1, ((s["id"], len(s["input_ids"])) for s in samples))
         for i, s in enumerate(samples):
-            if len(s["input_ids"]) >= self.max_model_len:
-                raise ConfigError(f"sample '{s['id']}' has {len(s['input_ids'])} tokens; the vllm backend runs at most "
-                                  f"{self.max_model_len - 1} (tokenize.max_seq_len); raise tokenize.max_seq_len")
             request_id = f"x{self._next_id}"
             self._next_id += 1
             by_request[request_id] = i

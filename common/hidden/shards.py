@@ -31,7 +31,9 @@ What is here:
   HiddenIndex.load (04: complete, readable version, every shard's header checked) and ShardReader (samples'
   rows, lazily, via safetensors safe_open, fp8 states decoded);
 - rounds under a disk budget (plan.json "rounds", hidden/consumed.json): load_plan_rounds, round_files,
-  read_consumed, write_consumed, rounds_on_disk;
+  read_consumed, write_consumed, rounds_on_disk, and bookkeeping_bytes (what hidden/ holds besides the
+  shards, at most: it counts against extract.max_disk_gb too); hidden/'s JSON files are written compact
+  (write_json: they list every sample id);
 - verification: verify_entry (02's rerun: a reason or None) and verify_shard_files (04's start: one-line
   DataError).
 """
@@ -49,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from common.core.errors import DataError, PipelineError
-from common.core.io import atomic_path, atomic_write_json, file_sha256, read_json
+from common.core.io import atomic_path, atomic_write_text, file_sha256, read_json
 
 if TYPE_CHECKING:  # torch is imported only when shards are written or read (02's --help stays fast)
     import numpy as np
@@ -71,7 +73,16 @@ FP8_SCALES = {"aux_hidden": "aux_scale", "final_hidden": "final_scale"}  # state
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 ID_MASK_BYTES = 8 + 1  # int64 input_ids + uint8 loss_mask per token
 SCALE_BYTES = 4  # one float32 scale per token per tensor (fp8)
-RERUN_02 = "rerun 02_extract_hidden.py (it rebuilds missing or incomplete shards)"
+# The least destructive advice that repairs hidden/ (never --overwrite, which under rounds throws away the
+# plan and consumed.json): a plain rerun of 02 rebuilds missing and unindexed shards and rewrites index.json
+# from plan.json; a shard whose bytes disagree with index.json is deleted first, so that 02 extracts it again
+# whatever extract.verify says (with "size" a same-size corruption would pass 02's check).
+RERUN_02 = "rerun 02_extract_hidden.py (it rebuilds missing or incomplete shards and rewrites index.json)"
+
+
+def redo_shard(path: Path) -> str:
+    """The advice for one shard whose bytes disagree with index.json."""
+    return f"delete {path} and rerun 02_extract_hidden.py (it extracts that shard again and keeps the rest)"
 
 
 def dtype_bytes(name: str) -> int:
@@ -272,13 +283,23 @@ def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict])
             "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
 
 
+def json_text(obj: Any) -> str:
+    """How hidden/'s JSON files are written: compact, since plan.json and index.json list every sample and
+    their bytes count against extract.max_disk_gb (bookkeeping_bytes measures this very text)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json_text(obj))
+
+
 def write_index(index_path: Path, index: dict) -> None:
-    atomic_write_json(index_path, index)
+    write_json(index_path, index)
 
 
 def write_fragment(fragment_path: Path, rank: int, entries: list[dict]) -> None:
     """One rank's entries under torchrun (rank 0 merges the fragments with read_entries)."""
-    atomic_write_json(fragment_path, {"rank": rank, "shards": entries})
+    write_json(fragment_path, {"rank": rank, "shards": entries})
 
 
 def read_entries(index_path: Path, fragment_paths: Iterable[Path] = ()) -> dict[str, dict]:
@@ -338,23 +359,37 @@ def read_consumed(path: Path) -> set[int]:
 
 
 def write_consumed(path: Path, rounds: Iterable[int]) -> None:
-    atomic_write_json(path, {"rounds": sorted(set(rounds))})
+    write_json(path, {"rounds": sorted(set(rounds))})
 
 
 def rounds_on_disk(plan: dict, consumed: set[int]) -> list[int]:
     """The rounds whose shards should be on disk now: the first one not consumed, and the ones after it
-    while they fit plan["max_disk_bytes"] together (the eval shards are part of every round's budget)."""
+    while they fit plan["max_disk_bytes"] together (the eval shards and the bookkeeping, plan["reserve_bytes"],
+    are part of every round's budget)."""
     rounds, budget = plan["rounds"], plan["max_disk_bytes"]
     pending = [r for r in range(len(rounds)) if r not in consumed]
     if not pending:
         return []
-    chosen, used = [pending[0]], plan["eval_bytes"] + rounds[pending[0]]["bytes"]
+    chosen, used = [pending[0]], plan["eval_bytes"] + plan.get("reserve_bytes", 0) + rounds[pending[0]]["bytes"]
     for r in pending[1:]:
         if r != chosen[-1] + 1 or used + rounds[r]["bytes"] > budget:
             break
         chosen.append(r)
         used += rounds[r]["bytes"]
     return chosen
+
+
+def bookkeeping_bytes(plan: dict, header: dict, shard_bytes: Callable[[dict], int]) -> int:
+    """The most that hidden/ holds besides the shards over a whole run by this plan: plan.json, index.json
+    listing every planned shard, the rank fragments (together at most that index), consumed.json listing
+    every round, and for each the temp copy of its atomic rewrite. Measured on the very text write_json
+    writes (header: index_header's; shard_bytes(shard): an upper bound of the shard's size, for its digits)."""
+    entries = {s["file"]: shard_entry(s, {"sha256": "0" * 64, "bytes": shard_bytes(s), "num_loss_tokens": s["num_tokens"]})
+               for s in plan["shards"]}
+    index = len(json_text(build_index(header, plan["shards"], entries)).encode())
+    consumed = len(json_text({"rounds": list(range(len(plan.get("rounds", []))))}).encode()) if "rounds" in plan else 0
+    # index.json and the fragments (at most an index together), consumed.json: each with its temp copy
+    return len(json_text(plan).encode()) + 2 * (index + index + consumed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +430,7 @@ def verify_shard_files(index: "HiddenIndex", layout: "Layout", env: "DistEnv", m
                 raise DataError(f"hidden shard {path} has {size} bytes but 02 wrote {shard.bytes} (truncated or overwritten); {RERUN_02}")
             if mode == "sha256" and shard.sha256 and content_fingerprint(layout, path) != shard.sha256:
                 raise DataError(f"hidden shard {path} does not match the sha256 02 recorded in index.json (the file was "
-                                f"damaged after extraction); {RERUN_02}")
+                                f"damaged after extraction); {redo_shard(path)}")
             bar.update(size)
 
 
@@ -469,7 +504,7 @@ class HiddenIndex:
             raise DataError(f"{index_path} says the extraction is incomplete (complete=false); {RERUN_02}")
         for key in ("aux_layer_ids", "target_hidden_size", "shards"):
             if key not in raw:
-                raise DataError(f"{index_path} has no '{key}' field; {RERUN_02} with --overwrite")
+                raise DataError(f"{index_path} has no '{key}' field; {RERUN_02}")
         if files is not None:
             listed = {e["file"]: e for e in raw["shards"]}
             missing = [f for f in files if f not in listed]
@@ -481,7 +516,7 @@ class HiddenIndex:
         storage = storage_of(raw)
         if storage not in STORAGES:
             raise DataError(f"{index_path} has storage {json.dumps(storage)}, this code reads {' or '.join(STORAGES)}; "
-                            f"{RERUN_02} with --overwrite")
+                            f"{RERUN_02}")
         shards: list[ShardInfo] = []
         samples: list[SampleRef] = []
         for si, entry in enumerate(raw["shards"]):
@@ -491,11 +526,11 @@ class HiddenIndex:
             offsets = check_shard_header(info, len(aux_ids), h_t, storage)
             split = entry.get("split")  # 02 keeps train and eval samples in separate shards
             if split not in SPLITS:
-                raise DataError(f"index entry for {path} has split {split!r}, expected train or eval; {RERUN_02} with --overwrite")
+                raise DataError(f"index entry for {path} has split {split!r}, expected train or eval; {RERUN_02}")
             for j, sid in enumerate(ids):
                 start, end = int(offsets[j]), int(offsets[j + 1])
                 if end <= start:
-                    raise DataError(f"hidden shard {path}: sample '{sid}' has no tokens (offsets {start}..{end}); {RERUN_02} with --overwrite")
+                    raise DataError(f"hidden shard {path}: sample '{sid}' has no tokens (offsets {start}..{end}); {redo_shard(path)}")
                 samples.append(SampleRef(si, start, end, sid, split))
             shards.append(info)
         if not samples:
@@ -519,24 +554,24 @@ def check_shard_header(info: ShardInfo, num_aux: int, h_t: int, storage: str = "
             missing = [k for k in names if k not in keys]
             if missing:
                 raise DataError(f"hidden shard {path} lacks tensors {missing} (index.json says storage {storage}); "
-                                f"{RERUN_02} with --overwrite")
+                                f"{redo_shard(path)}")
             offsets = f.get_tensor("sample_offsets").numpy()
             shapes = {k: list(f.get_slice(k).get_shape()) for k in names}
             state_dtype = f.get_slice("aux_hidden").get_dtype()
     except DataError:
         raise
     except Exception as e:  # SafetensorError: truncated file, bad header
-        raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); delete it and {RERUN_02}") from None
+        raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); {redo_shard(path)}") from None
     n = int(offsets[-1]) if len(offsets) else -1
     if len(offsets) != len(info.sample_ids) + 1 or offsets[0] != 0:
         raise DataError(
-            f"hidden shard {path} has {len(offsets) - 1} samples but index.json lists {len(info.sample_ids)}; {RERUN_02} with --overwrite"
+            f"hidden shard {path} has {len(offsets) - 1} samples but index.json lists {len(info.sample_ids)}; {redo_shard(path)}"
         )
     if info.num_tokens >= 0 and n != info.num_tokens:
-        raise DataError(f"hidden shard {path} holds {n} tokens but index.json says {info.num_tokens}; {RERUN_02} with --overwrite")
+        raise DataError(f"hidden shard {path} holds {n} tokens but index.json says {info.num_tokens}; {redo_shard(path)}")
     if (state_dtype == "F8_E4M3") != (storage == "fp8"):
         raise DataError(f"hidden shard {path} holds {state_dtype} states but index.json says storage {storage}; "
-                        f"{RERUN_02} with --overwrite")
+                        f"{redo_shard(path)}")
     want = {"input_ids": [n], "loss_mask": [n], "aux_hidden": [n, num_aux * h_t], "final_hidden": [n, h_t]}
     if storage == "fp8":
         want.update({"aux_scale": [n, num_aux], "final_scale": [n, 1]})
@@ -544,7 +579,7 @@ def check_shard_header(info: ShardInfo, num_aux: int, h_t: int, storage: str = "
         if shapes[k] != shape:
             raise DataError(
                 f"hidden shard {path}: '{k}' has shape {shapes[k]}, expected {shape} "
-                f"({num_aux} aux layers x hidden {h_t}); {RERUN_02} with --overwrite"
+                f"({num_aux} aux layers x hidden {h_t}); {redo_shard(path)}"
             )
     info.num_tokens = n
     return offsets
@@ -578,7 +613,7 @@ class ShardReader:
         except FileNotFoundError:
             raise DataError(f"hidden shard {path} disappeared during training; {RERUN_02}") from None
         except Exception as e:
-            raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); delete it and {RERUN_02}") from None
+            raise DataError(f"hidden shard {path} is truncated or corrupt ({e}); {redo_shard(path)}") from None
         self._open[shard] = h
         if len(self._open) > self.max_open:
             self._open.popitem(last=False)

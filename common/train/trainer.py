@@ -56,10 +56,10 @@ from common.model.draft import Eagle3DraftModel, build_draft_config
 from common.model.draft_vocab import load_vocab_map
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.train.export import export_best, export_final
-from common.core.io import JsonlAppender, atomic_write_json, format_bytes, read_json
+from common.core.io import JsonlAppender, atomic_write_json, file_sha256, format_bytes, read_json
 from common.target.loading import check_safetensors_readable, load_target_info, load_target_tensors, target_fingerprint
 from common.train.optim import build_optimizer, lr_at
-from common.core.run_folder import Layout, StageManifest
+from common.core.run_folder import Layout, StageManifest, read_manifest
 from common.train.tensorboard import TensorBoard
 from common.train.data import DataPosition, Round, TrainData
 from common.train.ledger import LEDGER_FILE, SampleLedger
@@ -67,6 +67,7 @@ from common.hidden.stream import StreamWait
 from common.hidden.shards import (INDEX_SHARD_FIELDS, HiddenIndex, load_plan_rounds, read_consumed, read_entries, round_files, verify_shard_files,
                                   write_consumed)
 from common.train.step import StepSettings, TrainStep, resolve_attention, resolve_compile
+from common.train.init_from import InitDraft
 from common.train.memory_plan import check_fits, gpu_capacity, plan_for_capacity
 
 
@@ -123,6 +124,8 @@ class Trainer:
         if self.stream:
             self.wait_for_extraction()
         self.plan = load_plan_rounds(layout.hidden_plan)
+        if self.plan is not None:
+            self.check_plan_is_02s()
         self.round_loaded: Optional[int] = None  # rounds mode: the round whose shards self.index holds
         self.index = HiddenIndex.load(layout.hidden_index, self.first_files_on_disk() if self.plan else None)
         self.info = load_target_info(cfg.target)
@@ -152,7 +155,13 @@ class Trainer:
             )
         self.d2t, self.t2d = load_vocab_map(layout.vocab_map, self.info.vocab_size, cfg.vocab.draft_vocab_size)
         self.inputs_at_start = broadcast_object(self.inputs_identity() if env.is_main else None, env)
-        self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
+        # train.init_from: the init's architecture and the vocab map of train.init_vocab (common.train.init_from)
+        self.init = InitDraft.read(cfg, self.info, self.index.aux_layer_ids, self.d2t, self.t2d, layout, env) \
+            if cfg.train.init_from else None
+        if self.init is not None:
+            self.d2t, self.t2d, self.draft_cfg = self.init.d2t, self.init.t2d, self.init.draft_cfg
+        else:
+            self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), self.index.aux_layer_ids)
 
         self.dtype = resolve_precision(cfg, env.device)
         self.on_gpu = env.device.type == "cuda"
@@ -174,11 +183,22 @@ class Trainer:
             "draft": dataclasses.asdict(self.draft_cfg), "data": data_id,
             "d2t": hashlib.sha256(self.d2t.numpy().tobytes()).hexdigest(),
             "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
+            **({"init": self.init.identity} if self.init else {}),  # absent without one: older checkpoints still resume
         })
         self.K = t.ttt_steps
         self.memory_plan, self.replan = self.plan_memory()
         # printed: the served k (05's) and all steps; eval_report.json has every k = 1..ttt_steps
         self.shown_ks = sorted({min(cfg.evaluate.num_speculative_tokens, self.K), self.K})
+
+    def check_plan_is_02s(self) -> None:
+        """plan.json as 02 wrote it (02 records its sha256): an edited plan would train other rounds than 02
+        extracts, or break the disk budget."""
+        layout = self.layout
+        recorded = ((read_manifest(layout, "02_extract_hidden") or {}).get("result") or {}).get("plan_sha256")
+        if recorded and file_sha256(layout.hidden_plan) != recorded:
+            raise DataError(f"{layout.hidden_plan} is not the plan 02 made (its sha256 differs from the one in "
+                            f"{layout.manifest('02_extract_hidden')}): it was edited or replaced; restore it, or rerun "
+                            f"02_extract_hidden.py with --overwrite to plan again")
 
     def plan_memory(self):
         """04's peak memory per GPU, estimated before anything is loaded (common.train.memory_plan), and
@@ -333,6 +353,8 @@ class Trainer:
         if t.init_lm_head == "target":  # start from the target's own head, restricted to the draft vocab
             with torch.no_grad():
                 draft.lm_head.weight.copy_(target["lm_head"][draft.draft_vocab_target_ids()].float())
+        if self.init is not None:  # its weights over these (a resume then loads its checkpoint over them)
+            self.say(self.init.load_into(draft))
         draft.gradient_checkpointing = self.memory_plan.setting["gradient_checkpointing"]  # as planned (null: auto)
         draft.to(env.device)
         draft.attention_impl, attention_why = resolve_attention(t.attention_impl, draft.config, env.device)
@@ -343,11 +365,13 @@ class Trainer:
         self.n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
         compile_on, compile_why = resolve_compile(t.compile, env.device)
         settings = StepSettings(ttt_steps=self.K, loss_decay=t.loss_decay, grad_clip=t.grad_clip, dtype=self.dtype,
-                                parallel=t.parallel, compile=compile_on)
+                                parallel=t.parallel, compile=compile_on, anchor_weight=t.anchor_weight)
         self.step_fn = TrainStep(draft, self.lm_head,
                                  lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu), settings,
                                  env, wrap=lambda m: wrap_parallel(m, env, t.parallel, self.dtype))
         self.model, self.optimizer = self.step_fn.model, self.step_fn.optimizer
+        if t.anchor_weight > 0:  # L2-SP towards the init's weights, which the draft holds now (not saved: re-read on resume)
+            self.step_fn.set_anchor()
         self.say(f"04_train: step: attention {draft.attention_impl} ({attention_why}), torch.compile "
                  f"{'on' if compile_on else 'off'} ({compile_why}), {self.step_fn.describe_precision()}")
 
@@ -368,7 +392,8 @@ class Trainer:
             if state.get("fingerprint") != self.fingerprint:
                 raise ConfigError(
                     f"checkpoint {path} was made with another draft architecture, data set or packing (draft.*, hidden/, "
-                    f"vocab/, train.batch_max_tokens or train.seed changed); rerun with --overwrite to start over"
+                    f"vocab/, train.init_from, train.init_vocab, train.batch_max_tokens or train.seed changed); rerun with "
+                    f"--overwrite to start over"
                 )
             self.step, self.pos = int(state["step"]), DataPosition.from_dict(state["data_position"])
             if self.step > self.total_steps:
@@ -563,10 +588,12 @@ class Trainer:
                 layout = self.layout
                 self.manifest = StageManifest(
                     # rounds mode: the plan, since index.json grows with every round 02 extracts
-                    layout, "04_train", inputs=layout.named(layout.hidden_index if self.plan is None else layout.hidden_plan,
-                                                            layout.vocab_map),
+                    layout, "04_train", inputs={**layout.named(layout.hidden_index if self.plan is None else layout.hidden_plan,
+                                                               layout.vocab_map),
+                                                **({"train.init_from": self.init.fingerprint} if self.init else {})},
                     settings={"target": self.target_id, "draft": dataclasses.asdict(self.draft_cfg),
-                              "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed},
+                              "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed,
+                              **({"init_vocab": self.init.mode} if self.init else {})},
                     replaced={"target_model": "target"})  # recorded by path before
                 decision = self.manifest.begin(overwrite, outputs=[layout.final],
                                                started=layout.final.exists() or layout.checkpoints.exists())
@@ -619,7 +646,7 @@ class Trainer:
             if is_real:
                 self.window.add(loss=float(out.loss.detach()), tokens=tokens, step_losses=out.step_losses,
                                 step_correct=out.step_correct, step_counts=out.step_counts)
-        self.grad_norm = result.grad_norm
+        self.grad_norm, self.anchor_loss = result.grad_norm, result.anchor_loss
         if not result.applied:  # a non-finite gradient, the same on every rank (the gradients are all-reduced)
             raise self.diverged(lr)
         self.data.record_step(self.ledger, self.pos)
@@ -659,9 +686,12 @@ class Trainer:
             "step_losses": [float(x) / n for x in w["step_losses"]], "step_acc": acc, "lr": self.lr, "grad_norm": self.grad_norm,
             "tokens_per_s": tok_s, "tokens": self.tokens_seen, "elapsed_s": self.elapsed(),
         }
+        if self.t.anchor_weight > 0:  # the L2-SP term at this step's weights (not in "loss": that stays the TTT loss)
+            row["anchor_loss"] = self.anchor_loss
         if self.env.is_main:
             self.metrics.write(row)
             self.tb.scalars(self.step, {"train/loss": row["loss"], "train/lr": self.lr, "train/grad_norm": self.grad_norm,
+                                        **({"train/anchor_loss": row["anchor_loss"]} if "anchor_loss" in row else {}),
                                         "train/tokens_per_s": tok_s, **{f"train/acc_{i}": a for i, a in enumerate(acc)}})
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{tok_s:.0f}")
 
@@ -744,6 +774,8 @@ class Trainer:
             "parallel": self.t.parallel if self.env.distributed else "none", "trainable_params": self.n_params,
             "aux_layer_ids": self.index.aux_layer_ids, "draft_config": dataclasses.asdict(self.draft_cfg),
             "ledger": self.ledger.summary(), "best": self.best,
+            "init_from": self.init and {"path": str(self.init.path), "vocab": self.init.mode, "fingerprint": self.init.fingerprint,
+                                        "anchor_weight": self.t.anchor_weight},
             "config": self.cfg.to_dict(),
         }
         export_final(self.t.parallel, self.env, self.draft, self.draft_cfg, self.index, self.layout, summary)

@@ -25,7 +25,7 @@ from common.core.errors import ConfigError, DataError
 from common.extract.hf_backend import make_batches
 from common.extract.stage import check_disk_space, run_extraction
 from common.hidden.shards import bytes_per_token
-from tests.helpers import REPO, VOCAB, build_target, free_port, write_yaml
+from tests.helpers import REPO, VOCAB, build_target, error_line, free_port, write_yaml
 
 PYTHON = sys.executable
 
@@ -368,7 +368,7 @@ def test_disk_space_refusal_cli(tmp_path, llama_bf16):
     run_dir = tmp_path / "run"
     write_data(run_dir)
     cfg_path = write_yaml(tmp_path / "run.yaml", make_cfg(run_dir, llama_bf16))
-    res = subprocess.run(stage_cmd(cfg_path, "--set", "extract.min_free_disk_gb=1e9"), capture_output=True, text=True,
+    res = subprocess.run(stage_cmd(cfg_path, "--set", "extract.min_free_disk_gb=1e6"), capture_output=True, text=True,
                          env=stage_env(), cwd=REPO)
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: not enough disk space") and "missing" in res.stderr
@@ -386,6 +386,58 @@ def test_disk_space_check_numbers(tmp_path):
     with pytest.raises(DataError, match=r"need 9.50 GB for the shards \+ 1.00 GB head-room \(extract.min_free_disk_gb=1\) = 10.50 GB, "
                                         r"free 10.00 GB; 500.00 MB missing"):
         check_disk_space(tmp_path, 9_500_000_000, 1.0, disk_usage=lambda p: Usage)
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_overwrite_leaves_hidden_and_the_manifest_as_they_were(tmp_path, llama_bf16):
+    """Issue 25 (--overwrite audit, cases 5 and 11): every refusal 02 can make comes before --overwrite deletes
+    anything: a budget too small for the new plan, not enough free disk for its shards (counting what the
+    deletion frees), a bad sample in the inputs. Each is exit 2 with one error line, and hidden/ and 02's
+    manifest stay byte-identical."""
+    run_dir = tmp_path / "run"
+    write_data(run_dir)
+    cfg_path = write_yaml(tmp_path / "run.yaml", make_cfg(run_dir, llama_bf16))
+    run_extraction(cfg_of(make_cfg(run_dir, llama_bf16)))
+    manifest = run_dir / "stages" / "02_extract_hidden.json"
+    before, record = tree_bytes(run_dir / "hidden"), manifest.read_bytes()
+    assert len(before) >= 6
+
+    for override, says in (("extract.max_disk_gb=0.00001", "extract.max_disk_gb=1e-05 cannot hold the eval shards"),
+                           ("extract.min_free_disk_gb=1e6", "not enough disk space in")):
+        res = subprocess.run(stage_cmd(cfg_path, "--overwrite", "--set", override), capture_output=True, text=True,
+                             env=stage_env(), cwd=REPO)
+        error_line(res, says)
+        assert tree_bytes(run_dir / "hidden") == before and manifest.read_bytes() == record, override
+
+    with open(run_dir / "data" / "train.jsonl", "a") as f:  # a new sample the new plan refuses
+        f.write(json.dumps({"id": "foreign", "input_ids": [1, 2, VOCAB + 5], "loss_mask": [1, 1, 1]}) + "\n")
+    with pytest.raises(DataError, match="sample 'foreign' has token id"):
+        run_extraction(cfg_of(make_cfg(run_dir, llama_bf16)), overwrite=True)
+    assert tree_bytes(run_dir / "hidden") == before and manifest.read_bytes() == record
+
+
+def test_what_a_killed_run_left_is_removed_by_a_rerun_that_has_nothing_to_extract(tmp_path, llama_bf16, capsys):
+    """Issue 25, case 16 (fast half; the SIGKILL of a real vllm-backend 02 is test_extract_vllm_backend.py's):
+    a run killed after its last shard leaves the vllm backend's request directory and temp files; the next run
+    finds everything extracted, starts no engine, and still removes them."""
+    run_dir = tmp_path / "run"
+    write_data(run_dir)
+    cfg = cfg_of(make_cfg(run_dir, llama_bf16))
+    run_extraction(cfg)
+    hidden = run_dir / "hidden"
+    shards = shard_bytes(run_dir)
+    (hidden / "vllm-requests.rank-00000.tmp").mkdir()
+    (hidden / "vllm-requests.rank-00000.tmp" / "x3.safetensors.partial").write_bytes(b"0" * 100)
+    (hidden / "vllm-requests.rank-00001.tmp").mkdir()  # from a run with more ranks
+    (hidden / ".tmp-index.json.abc123").write_text("{")
+    capsys.readouterr()
+    assert run_extraction(cfg)["status"] == "complete"
+    assert "already complete" in capsys.readouterr().out
+    assert sorted(p.name for p in hidden.iterdir()) == sorted([*shards, "index.json", "plan.json"])
+    assert shard_bytes(run_dir) == shards
 
 
 def test_input_errors(tmp_path, llama_bf16):

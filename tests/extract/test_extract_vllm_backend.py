@@ -297,8 +297,10 @@ def test_vllm_backend_parallelism_errors(tmp_path):
 def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
     """Issue 18, case 3: Ctrl-C while 02 starts its vLLM engine did not exit in 120 s (the KeyboardInterrupt
     reached the main thread only after vLLM's start-up wait, and vLLM's clean-up then hung on its zmq
-    context). Now it exits 130 within the stop grace (EAGLE3_STOP_GRACE_S, shortened here), the engine
-    processes go with it, and the rerun completes."""
+    context). Issue 25, case 17: then it waited for the start to finish (18 s here, minutes for Kimi), since
+    vLLM swallows the KeyboardInterrupt in its start-up handshake. Now the start itself is interrupted: exit
+    130 within seconds, far inside the stop grace (EAGLE3_STOP_GRACE_S, left at 60 s so that it cannot be what
+    ends the run), the engine processes and the request directory go with it, and the rerun completes."""
     from common.demo.tiny_target import ensure_tiny_target
 
     target = ensure_tiny_target("llama")
@@ -308,7 +310,7 @@ def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
         "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": AUX, "dtype": "bfloat16"},
         "tokenize": {"max_seq_len": 512}, "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500}})
     cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", EAGLE3_STOP_GRACE_S="10")
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", EAGLE3_STOP_GRACE_S="60")
     log = tmp_path / "interrupted.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -323,19 +325,62 @@ def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
                               if "common.core.reaper" not in " ".join(c.cmdline())]
                 except psutil.Error:
                     engine = []
-            time.sleep(1.0)
+            time.sleep(2.0)  # the engine core loads the target (its start takes ~15 s here)
             t0 = time.monotonic()
             os.kill(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=60) == 130, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() - t0 < 40
+            took = time.monotonic() - t0
             _, orphans = psutil.wait_procs(engine, timeout=15)
             assert not orphans, [" ".join(o.cmdline())[:80] for o in orphans]
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+    assert took < 8, (took, log.read_text(errors="replace")[-3000:])
     assert "interrupted" in log.read_text(errors="replace") and "Traceback" not in log.read_text(errors="replace")
+    assert "INFO extract: starting vLLM" in log.read_text(errors="replace")  # it was the start that got interrupted
+    assert not list((run / "hidden").glob("vllm-requests*")) and not list((run / "hidden").glob("shard-*"))
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     index, _ = shards_of(run)
     assert index["complete"] and sorted(s for e in index["shards"] for s in e["sample_ids"]) == \
         sorted(r["id"] for split in ("train", "eval") for r in rows[split])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigkill_after_the_last_shard_then_a_rerun_leaves_no_request_dir(tmp_path):
+    """Issue 25, case 16: 02 (vllm backend) SIGKILLed after its last shard, while it stops its engine, left an
+    empty hidden/vllm-requests.rank-00000.tmp/ that no later run removed (the rerun finds everything
+    extracted and starts no engine). The rerun removes what a killed run left, and says it is complete."""
+    from common.demo.tiny_target import ensure_tiny_target
+
+    target = ensure_tiny_target("llama")
+    rows = chat_samples(target, n_train=3, n_eval=1)
+    run = write_run(tmp_path / "run", rows)
+    config = write_yaml(tmp_path / "config.yaml", {
+        "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": AUX, "dtype": "bfloat16"},
+        "tokenize": {"max_seq_len": 512}, "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500}})
+    cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
+    hidden = run / "hidden"
+    log = tmp_path / "killed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not ((hidden / "index.json").is_file() and json.loads((hidden / "index.json").read_text())["complete"]):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+                time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)  # the engine takes seconds to stop: the request directory is still there
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert (hidden / "vllm-requests.rank-00000.tmp").is_dir()
+    shards = {p.name: p.read_bytes() for p in hidden.glob("shard-*")}
+
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "already complete" in res.stdout and "starting vLLM" not in res.stderr
+    assert sorted(p.name for p in hidden.iterdir()) == sorted([*shards, "index.json", "plan.json"])
+    assert {p.name: p.read_bytes() for p in hidden.glob("shard-*")} == shards

@@ -212,12 +212,14 @@ def test_fp8_codec_edges():
 def test_storage_and_shard_contents_must_agree(tmp_path):
     layout, _ = write_run(tmp_path / "run")  # full shards
     raw = json.loads(layout.hidden_index.read_text())
-    for storage, says in (("fp8", "lacks tensors ['aux_scale', 'final_scale'] (index.json says storage fp8)"),
-                          ("int4", 'has storage "int4", this code reads full or fp8')):
+    # the advice is the least destructive that repairs it (issue 25, case 8): never --overwrite
+    for storage, says, advice in (("fp8", "lacks tensors ['aux_scale', 'final_scale'] (index.json says storage fp8)",
+                                   "and rerun 02_extract_hidden.py (it extracts that shard again and keeps the rest)"),
+                                  ("int4", 'has storage "int4", this code reads full or fp8', "; rerun 02_extract_hidden.py (it rebuilds")):
         layout.hidden_index.write_text(json.dumps({**raw, "storage": storage}))
         with pytest.raises(DataError) as e:
             HiddenIndex.load(layout.hidden_index)
-        assert says in str(e.value) and "\n" not in str(e.value) and "--overwrite" in str(e.value)
+        assert says in str(e.value) and "\n" not in str(e.value) and advice in str(e.value) and "--overwrite" not in str(e.value)
     layout8, _ = write_run(tmp_path / "fp8", storage="fp8")
     raw8 = json.loads(layout8.hidden_index.read_text())
     layout8.hidden_index.write_text(json.dumps({**raw8, "storage": "full"}))
