@@ -4,10 +4,16 @@ on paper (common/serving/sizing.py). README "Sizing the server" is this script's
 
   python scripts/plan_serving.py --target /models/Kimi-K2.5 --gpu rtx-pro-6000 --max-model-len 32768
   python scripts/plan_serving.py --target configs/targets/kimi-k2.5.json --gpu h200 --kv-cache-dtype fp8
+  python scripts/plan_serving.py --target configs/targets/kimi-k2.5.json --gpu h200 --max-model-len 32768 \
+      --draft configs/kimi-k2.5.yaml
 
 --target: the model directory (config.json + *.safetensors, summed for the weights) or a JSON of its text
 config's sizes with "weights_gib" (configs/targets/kimi-k2.5.json). Once the server runs, 01b prints the
 figure vLLM itself measured.
+--draft: served with an EAGLE draft, whose layers take KV cache from the same blocks: a draft directory or its
+config.json (vLLM's or speculators' format, ours or a published one), or a pipeline config whose draft: section
+04 would build for this target (configs/kimi-k2.5.yaml: the sizes of lightseekorg/kimi-k2.5-eagle3, 64 KV heads
+of 128). It prints the target's and the draft's bytes per token and the capacity with and without the draft.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.core.cli import OneLineArgumentParser  # noqa: E402
 from common.core.config import GpuMemoryGB, MemoryUtilization, ModelLen, Range, TensorParallel  # noqa: E402
 from common.core.errors import ConfigError, PipelineError, printable  # noqa: E402
-from common.serving.sizing import GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, plan_serving  # noqa: E402
+from common.serving.sizing import GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, kv_bytes_per_token, plan_serving  # noqa: E402
 
 
 WEIGHTS_GIB = Range(gt=0, le=10**7)  # on all GPUs together: Kimi-K2.5's are ~570 GiB
+DRAFT_FORMS = "a draft directory, its config.json, or a pipeline config like configs/kimi-k2.5.yaml"
 
 
 def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
@@ -37,7 +44,9 @@ def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the target's config {config_file}: {e}; pass a model directory or a JSON like "
                           f"configs/targets/kimi-k2.5.json") from None
-    text = config.get("text_config") or config  # multimodal wrappers (Kimi-K2.5) keep the language model there
+    # multimodal wrappers (Kimi-K2.5) keep the language model in text_config
+    text = (config.get("text_config") or config) if isinstance(config, dict) else config
+    check_sizes(config_file, text, "a model directory or a JSON like configs/targets/kimi-k2.5.json")
     if weights_gib is None:
         weights_gib = config.get("weights_gib")
     if weights_gib is None and path.is_dir():
@@ -51,6 +60,36 @@ def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
     if not math.isfinite(weights) or not WEIGHTS_GIB.holds(weights):  # a JSON's "weights_gib" (the flag is checked)
         raise ConfigError(f"{config_file}: weights_gib must be a finite number {WEIGHTS_GIB.describe()}, got {weights_gib!r}")
     return text, weights
+
+
+def check_sizes(config_file: Path, config, what: str) -> None:
+    """A config that cannot be sized (not a dict, a size missing) is one line naming the file."""
+    try:
+        if not isinstance(config, dict):
+            raise ConfigError(f"it holds a JSON {type(config).__name__}, not a config object")
+        kv_bytes_per_token(config)
+    except ConfigError as e:
+        raise ConfigError(f"{config_file}: {e}; pass {what}") from None
+
+
+def read_draft(path: Path, target: dict, target_path: Path):
+    """The draft's config: a dict from a draft directory or its config.json, or the DraftModelConfig 04 builds
+    from a pipeline config's draft: section for this target (nulls take the target's sizes)."""
+    config_file = path / "config.json" if path.is_dir() else path
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        from common.core.config import load_config
+        from common.train.memory_plan import draft_config_from  # imports torch: only for a pipeline config
+
+        try:
+            return draft_config_from(load_config(path), target)
+        except KeyError as e:
+            raise ConfigError(f"{target_path} has no {e.args[0]}, which building the draft of {path} needs") from None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the draft's config {config_file}: {e}; pass {DRAFT_FORMS}") from None
+    check_sizes(config_file, config, DRAFT_FORMS)
+    return config
 
 
 def main(argv=None) -> int:
@@ -69,15 +108,18 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-gib", type=Range(ge=0, le=GpuMemoryGB.le).argument(), default=5.0,
                     help="activations, CUDA graphs and buffers per GPU (default 5; vLLM measures it at start)")
     ap.add_argument("--weights-gib", type=WEIGHTS_GIB.argument(), help="the weights on all GPUs together (default: from --target)")
+    ap.add_argument("--draft", type=Path, help=f"served with this EAGLE draft: {DRAFT_FORMS}")
     args = ap.parse_args(argv)
     memory = args.gpu_memory_gib if args.gpu_memory_gib is not None else GPU_MEMORY_GIB[args.gpu] if args.gpu else None
     if memory is None:
         raise ConfigError("give --gpu or --gpu-memory-gib")
     text, weights = read_target(args.target, args.weights_gib)
+    draft = read_draft(args.draft, text, args.target) if args.draft else None
     plan = plan_serving(text, gpu_memory_gib=memory, weights_gib_total=weights, tensor_parallel_size=args.tp,
                         utilization=args.utilization, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-                        tokens_per_request=args.tokens_per_request, activation_gib=args.activation_gib)
-    print(f"{args.target.name}: TP {args.tp} on {args.gpu or f'{memory:g} GiB cards'}, KV cache {args.kv_cache_dtype}")
+                        tokens_per_request=args.tokens_per_request, activation_gib=args.activation_gib, draft_config=draft)
+    print(f"{args.target.name}{f' + draft {args.draft.name}' if draft else ''}: TP {args.tp} on "
+          f"{args.gpu or f'{memory:g} GiB cards'}, KV cache {args.kv_cache_dtype}")
     for line in plan.lines():
         print("  " + line)
     return 0 if plan.fits_one_full_request else 1

