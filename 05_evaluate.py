@@ -6,11 +6,20 @@ speculator (evaluate.num_speculative_tokens draft tokens), sends the first
 evaluate.num_prompts eval-split prompts of data/prompts.jsonl, and reads vLLM's
 spec-decode counters from /metrics before and after. Then serves the target alone with the
 same prompts and sampling (or reuses eval/baseline.json when it matches).
-Writes, under run_dir/eval/: report.json, report.png, outputs.jsonl, baseline.json.
+Then every prompt set of evaluate.prompt_sets (and evaluate.other_prompts, the set "other"): files or
+hub datasets in the benchmark shapes (MT-bench turns, GSM8K question, MATH problem, HumanEval prompt,
+chat messages), each row's first user turn, one summary line per set.
+Writes, under run_dir/eval/: report.json, report.png, outputs.jsonl, baseline.json (and per prompt set
+NAME: outputs-NAME.jsonl, baseline-NAME.json).
 
   --baseline-only --base-url URL   measure only the target-alone run on an already running
                                    server of the target (run_pipeline.py does this on its
                                    generation server, which saves one server start)
+  --compare DIR_A DIR_B            measure two drafts (e.g. this run's train/final and a published or
+                                   fine-tuned one) with the same server settings on the same prompts,
+                                   side by side in eval/compare/report.json and report.png; one line per
+                                   prompt set with both acceptance lengths and b - a. eval/report.json is
+                                   left as it is.
 
 The offline prediction in the report is 04's for the draft measured: the draft is recognised
 among this run's train/final and train/best by its weights, and 04's eval at its step is the
@@ -23,8 +32,11 @@ from common.core.cli import stage_main
 
 
 def add_arguments(parser):
-    parser.add_argument("--draft", help="draft directory to evaluate (default: run_dir/train/final)")
-    parser.add_argument("--baseline-only", action="store_true", help="only measure the target alone (needs --base-url)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--draft", help="draft directory to evaluate (default: run_dir/train/final)")
+    which.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"),
+                       help="measure two drafts side by side (eval/compare/), same server settings and prompts")
+    which.add_argument("--baseline-only", action="store_true", help="only measure the target alone (needs --base-url)")
     parser.add_argument("--base-url", help="a running vLLM server of the target alone (http://host:port/v1) for the baseline")
     parser.add_argument("--foreign-draft", action="store_true",
                         help="measure a draft that is not this run's (other aux layer ids), without this run's offline prediction")
@@ -34,7 +46,7 @@ def run(cfg, args):
     from common.evaluate.stage import run_stage
 
     return run_stage(cfg, draft_dir=args.draft, overwrite=args.overwrite, baseline_only=args.baseline_only, base_url=args.base_url,
-                     foreign_draft=args.foreign_draft)
+                     foreign_draft=args.foreign_draft, compare=args.compare)
 
 
 if __name__ == "__main__":

@@ -261,13 +261,16 @@ def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> Non
 
     layout = Layout.of(cfg)
     if layout.eval_report.is_file():
-        from common.evaluate.stage import format_summary, report_measures
+        from common.evaluate.stage import report_measures, summary_lines
 
         report = json.loads(layout.eval_report.read_text())
         # Only a measurement of the draft now in train/final (by its weights): after a new 04 the last
         # report is an earlier draft's.
         if report_measures(cfg, report, layout.final):
-            print(f"\nmeasured in vLLM: {format_summary(report)}")
+            held_out, *prompt_sets = summary_lines(report)  # one line per evaluate.prompt_sets set after the held-out one
+            print(f"\nmeasured in vLLM: {held_out}")
+            for line in prompt_sets:
+                print(f"  {line}")
         else:
             print(f"\n{layout.eval_report} did not measure the draft now in {layout.final}; "
                   f"run 05_evaluate.py (or this command without --stop-after) to measure it")

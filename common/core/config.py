@@ -224,6 +224,15 @@ class TrainConfig:
     attention_impl: Literal["auto", "chunked", "flex", "naive"] = "auto"
     compile: Optional[bool] = None  # torch.compile the decoder layers' dense parts; null = on CUDA, off on CPU
     init_lm_head: Literal["random", "target"] = "random"  # target: the target's lm_head rows of the draft vocab
+    # start from a vLLM-format EAGLE-3 draft directory (another run's train/final, or a published draft for this
+    # target) instead of random weights; its architecture is trained (docs/design.md#starting-from-a-published-draft)
+    init_from: Optional[str] = None
+    # the draft vocab with init_from: own = the init's (its d2t; 03's map is not used), remap = 03's, carrying over
+    # the init's lm_head rows of the tokens both share (the others as init_lm_head says)
+    init_vocab: Literal["own", "remap"] = "own"
+    # L2-SP: lambda of the penalty lambda * sum((w - w_init)^2) over the trainable weights, towards init_from's
+    # (keeps a fine-tune from over-specialising; 1e-4 in published fine-tunes); 0 = off
+    anchor_weight: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     # the loss's denominator: step-0 positions with a loss (counted) or every token of the step, as the
     # official EAGLE-3 code's mean over all positions (all_tokens)
     loss_normalization: Literal["counted", "all_tokens"] = "counted"
@@ -239,10 +248,40 @@ class EvaluateConfig:
     max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 256
     temperature: Annotated[float, NonNegative] = 0.0
     concurrency: Annotated[int, Range(ge=1, le=16384)] = 16
-    # a second prompt set of another kind than the training data (never a data.source): 05 measures it too
+    # a second prompt set of another kind than the training data (never a data.source): 05 measures it too, as
+    # the prompt set named "other"
     other_prompts: Optional[str] = None
+    # more prompt sets 05 measures, {name: source}: a local .json/.jsonl/.parquet file or directory, a datasets hub
+    # name (split "test"), or {source, subset, split}; rows in the benchmark shapes (common/evaluate/prompt_sets.py)
+    prompt_sets: dict = field(default_factory=dict)
     # also replay vLLM's rounds over the exact outputs vLLM served (loads the target in transformers: for small targets)
     replay_served: bool = False
+
+    def __post_init__(self):
+        self.prompt_set_specs()  # checked when the config is loaded, not when 05 reaches the set
+
+    def prompt_set_specs(self) -> dict[str, dict]:
+        """prompt_sets as {name: {"source", "subset", "split"}}, in name order (the order of a config's keys is not
+        kept: config_from_dict copies the tree through yaml.safe_dump). A name becomes a file name (eval/outputs-NAME.jsonl)."""
+        from common.core.run_folder import HELD_OUT, OTHER
+
+        specs = {}
+        for name, spec in self.prompt_sets.items():
+            key = f"evaluate.prompt_sets.{name}"
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+                raise ConfigError(f"config key '{key}': a prompt set's name must be letters, digits, '_', '.' or '-' "
+                                  f"(at most 64, it names files under eval/), got {name!r}")
+            taken = {HELD_OUT: "the eval split of data.source", OTHER: self.other_prompts and "evaluate.other_prompts"}.get(name)
+            if taken:
+                raise ConfigError(f"config key '{key}': the name '{name}' is taken ({taken}); name the set otherwise")
+            spec = {"source": spec} if isinstance(spec, str) else spec
+            valid = (isinstance(spec, dict) and set(spec) <= {"source", "subset", "split"} and isinstance(spec.get("source"), str)
+                     and bool(spec["source"].strip()) and all(isinstance(spec.get(k), (str, type(None))) for k in ("subset", "split")))
+            if not valid:
+                raise ConfigError(f"config key '{key}' must be a file, a directory or a datasets hub name, or "
+                                  f"{{source: ..., subset: ..., split: ...}}, got {spec!r}")
+            specs[name] = {"source": spec["source"], "subset": spec.get("subset"), "split": spec.get("split") or "test"}
+        return dict(sorted(specs.items()))
 
 
 @dataclass
@@ -283,7 +322,8 @@ class Config:
 
 # Keys whose values are filesystem paths, resolved relative to the YAML file's directory.
 # A value that does not exist locally is left as is (it may be a hub id).
-_PATH_KEYS = {("run_dir",), ("target", "model"), ("target", "tokenizer"), ("data", "source"), ("evaluate", "other_prompts")}
+_PATH_KEYS = {("run_dir",), ("target", "model"), ("target", "tokenizer"), ("data", "source"), ("evaluate", "other_prompts"),
+              ("train", "init_from")}
 
 
 def _type_name(tp: Any) -> str:
@@ -447,6 +487,20 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _resolve_path(node: dict, key: str, base: Path, always: bool = False) -> None:
+    """node[key] made absolute against base: always (run_dir), else only when it exists there or starts with "."
+    (else it may be a hub id)."""
+    value = node.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # `run_dir: 5` is the folder "5" next to the YAML, like any relative path
+    if not isinstance(value, str) or not value or os.path.isabs(value):
+        return
+    value = os.path.expanduser(value)
+    candidate = (base / value).resolve()
+    if always or candidate.exists() or value.startswith("."):
+        node[key] = str(candidate)
+
+
 def _resolve_paths(tree: dict, base: Path) -> None:
     for path_key in _PATH_KEYS:
         node = tree
@@ -454,18 +508,16 @@ def _resolve_paths(tree: dict, base: Path) -> None:
             node = node.get(part) if isinstance(node, dict) else None
             if node is None:
                 break
-        if not isinstance(node, dict):
-            continue
-        value = node.get(path_key[-1])
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = str(value)  # `run_dir: 5` is the folder "5" next to the YAML, like any relative path
-        if not isinstance(value, str) or not value or os.path.isabs(value):
-            continue
-        value = os.path.expanduser(value)
-        candidate = (base / value).resolve()
-        # run_dir is always a path; the others only when they exist (else: hub id).
-        if path_key == ("run_dir",) or candidate.exists() or value.startswith("."):
-            node[path_key[-1]] = str(candidate)
+        if isinstance(node, dict):
+            _resolve_path(node, path_key[-1], base, always=path_key == ("run_dir",))
+    # evaluate.prompt_sets: {name: a file, a directory or a hub name, or {source: ..., subset, split}}
+    sets = tree.get("evaluate", {}).get("prompt_sets") if isinstance(tree.get("evaluate"), dict) else None
+    if isinstance(sets, dict):
+        for name, spec in sets.items():
+            if isinstance(spec, dict):
+                _resolve_path(spec, "source", base)
+            else:
+                _resolve_path(sets, name, base)
 
 
 def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | None = None) -> Config:
@@ -646,3 +698,6 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     _require(len(t.betas) == 2, f"train.betas must have two values, got {t.betas}")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr:g}) must be <= train.lr ({t.lr:g})")
+    _require(t.anchor_weight == 0 or t.init_from is not None,
+             f"train.anchor_weight={t.anchor_weight:g} pulls the weights towards train.init_from's, but train.init_from is "
+             f"null; set train.init_from to the draft to start from, or train.anchor_weight: 0")

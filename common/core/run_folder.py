@@ -37,8 +37,8 @@ from common.core.io import atomic_write_json, file_sha256
 
 STAGES_DIR = "stages"
 HASH_CACHE = "hashes.json"
-# The two prompt sets 05 measures: held-out prompts of the training distribution (eval/outputs.jsonl,
-# eval/baseline.json), and evaluate.other_prompts, another kind never trained on (files suffixed -other).
+# The prompt sets 05 measures: held-out prompts of the training distribution (eval/outputs.jsonl,
+# eval/baseline.json), evaluate.other_prompts ("other") and evaluate.prompt_sets (files suffixed -NAME).
 HELD_OUT, OTHER = "held_out", "other"
 
 
@@ -252,10 +252,27 @@ class Layout:
     def baseline(self) -> Path:
         return self.baseline_of(HELD_OUT)
 
-    def evaluate_outputs(self) -> list[Path]:
-        """Everything 05 writes under eval/: what --overwrite removes."""
-        return [self.eval_report, self.eval_plot, *(p for s in (HELD_OUT, OTHER)
+    def evaluate_outputs(self, prompt_sets: Iterable[str] = (OTHER,)) -> list[Path]:
+        """Everything 05 writes under eval/ for the held-out prompts and these prompt sets: what --overwrite removes."""
+        return [self.eval_report, self.eval_plot, *(p for s in (HELD_OUT, *prompt_sets)
                                                      for p in (self.eval_outputs_of(s), self.baseline_of(s)))]
+
+    @property
+    def compare(self) -> Path:
+        """05 --compare DIR_A DIR_B: both drafts side by side."""
+        return self.eval / "compare"
+
+    @property
+    def compare_report(self) -> Path:
+        return self.compare / "report.json"
+
+    @property
+    def compare_plot(self) -> Path:
+        return self.compare / "report.png"
+
+    def compare_outputs_of(self, draft: str, prompt_set: str) -> Path:
+        """One compared draft's ("a" or "b") outputs with and without it on a prompt set."""
+        return self.compare / f"outputs-{draft}-{prompt_set}.jsonl"
 
     # bookkeeping
     @property

@@ -6,8 +6,8 @@ animals and word puzzles. These prompts share none of that: other topics (cookin
 music, history, household money, gardening, health), other formats (JSON, tables, numbered plans,
 rewriting or summarising a pasted passage, role play, one-word prompts) and other lengths (from two
 words to a ~250-word pasted text). 05 sends them next to the held-out prompts
-(`evaluate.other_prompts`); they are never a `data.source`, and 05 refuses a set that shares a
-prompt with the training prompts.
+(`evaluate.other_prompts`: the prompt set named "other", beside any `evaluate.prompt_sets`); they are
+never a `data.source`, and 05 refuses a set that shares a prompt with the training prompts.
 
 This lives apart from common/demo/tiny_target.py on purpose: the tiny target's cache key hashes that file,
 so adding these there would rebuild every cached target. Written to data/other_prompts.jsonl by

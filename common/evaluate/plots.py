@@ -1,11 +1,14 @@
-"""The evaluation figure: what vLLM accepted per draft position, and how training went.
+"""The evaluation figures: what vLLM accepted per draft position, and how training went.
 
     plot_report(report, "run/train/metrics.jsonl", "run/eval/report.png")
+    plot_compare(comparison, "run/eval/compare/report.png")          # 05 --compare
 
-Left: per-position acceptance rate measured in vLLM on the held-out prompts and on the other-kind
-prompts (when 05 measured them), next to the offline prediction (04's replay of vLLM's rounds,
-common.model.acceptance). Middle: training loss.
-Right: per-step accuracy over training. Rendered with matplotlib's Agg backend (no display).
+plot_report, top left: per-position acceptance rate measured in vLLM, one group of bars per prompt set
+(the held-out prompts, then evaluate.other_prompts and evaluate.prompt_sets), next to the offline
+prediction (04's replay of vLLM's rounds, common.model.acceptance). Top right: output tokens/s per set
+with and without the draft. Bottom: training loss, and per-step accuracy over training.
+plot_compare: acceptance length per set for both drafts, their per-position acceptance, and their
+tokens/s speedups. Rendered with matplotlib's Agg backend (no display).
 """
 
 from __future__ import annotations
@@ -42,6 +45,38 @@ def _offline_per_position(report: dict) -> Optional[list[float]]:
     return [float(a) for a in expected] if expected else None
 
 
+def _prompt_sets(report: dict) -> dict[str, dict]:
+    """The report's prompt sets besides the held-out one (a report written before evaluate.prompt_sets: other_prompts)."""
+    if "prompt_sets" in report:
+        return report["prompt_sets"] or {}
+    return {"other": report["other_prompts"]} if report.get("other_prompts") else {}
+
+
+def _bars(ax, series: list[tuple[str, list[float], str]], fmt: str = "{:.2f}") -> None:
+    """Grouped bars: series of (label, values, color), one bar per value, the values written on top."""
+    width = 0.8 / max(1, len(series))
+    for j, (label, values, color) in enumerate(series):
+        xs = [p - 0.4 + width * (j + 0.5) for p in range(len(values))]
+        bars = ax.bar(xs, values, width=width, label=label, color=color, alpha=0.9 if j == 0 else 0.8)
+        for bar, r in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, r, fmt.format(r), ha="center", va="bottom", fontsize=7)
+
+
+def _color(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _save(fig, out_path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out_path = Path(out_path)
+    with atomic_path(out_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return out_path
+
+
 def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) -> Path:
     """Write the figure atomically to out_path (PNG) and return the path."""
     import matplotlib
@@ -50,28 +85,24 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     import matplotlib.pyplot as plt
 
     curves = training_curves(metrics_path)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, grid = plt.subplots(2, 2, figsize=(14, 8.4))
+    axes = [grid[0][0], grid[1][0], grid[1][1], grid[0][1]]
 
-    # 1) per-position acceptance in vLLM (held-out, other-kind prompts) vs its offline prediction
+    # 1) per-position acceptance in vLLM, one group per prompt set, vs the offline prediction
     ax = axes[0]
     rates = report.get("per_position_acceptance") or []
-    other = report.get("other_prompts") or {}
     offline = _offline_per_position(report)
     series = [(f"vLLM, held-out (AL {report['acceptance_length']:.2f})" if isinstance(report.get("acceptance_length"), (int, float))
-               else "vLLM, held-out", rates, "tab:blue")]
-    if other.get("per_position_acceptance"):
-        series.append((f"vLLM, other-kind prompts (AL {other['acceptance_length']:.2f})", other["per_position_acceptance"], "tab:green"))
+               else "vLLM, held-out", rates, _color(0))]
+    for i, (name, part) in enumerate(_prompt_sets(report).items(), start=2):
+        if part.get("per_position_acceptance"):
+            series.append((f"vLLM, {name} (AL {part['acceptance_length']:.2f})", part["per_position_acceptance"], _color(i)))
     if offline:
         kind = (report.get("offline") or {}).get("prediction", "offline")
         step = (report.get("offline") or {}).get("step")  # the draft's own step (05's offline_prediction)
         series.append((f"offline prediction ({kind}{'' if step is None else f' at step {step}'}, held-out split)",
-                       offline, "tab:orange"))
-    width = 0.8 / len(series)
-    for j, (label, values, color) in enumerate(series):
-        xs = [p - 0.4 + width * (j + 0.5) for p in range(len(values))]
-        bars = ax.bar(xs, values, width=width, label=label, color=color, alpha=0.9 if j == 0 else 0.8)
-        for bar, r in zip(bars, values):
-            ax.text(bar.get_x() + bar.get_width() / 2, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=7)
+                       offline, _color(1)))
+    _bars(ax, series)
     ax.set_xticks(range(max(len(v) for _, v, _ in series) if any(v for _, v, _ in series) else 0))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
@@ -83,6 +114,21 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
         title += f", predicted {offline_al:.2f}"
     ax.set_title(title)
     ax.legend(fontsize=8)
+
+    # 4) tokens/s per prompt set, with and without the draft
+    ax = axes[3]
+    parts = {"held-out": report, **_prompt_sets(report)}
+    parts = {name: part["throughput"] for name, part in parts.items() if isinstance(part.get("throughput"), dict)}
+    if parts:
+        _bars(ax, [(side.replace("_", " "), [(tp.get(side) or {}).get("tokens_per_s") or 0.0 for tp in parts.values()], _color(c))
+                   for side, c in (("with_draft", 0), ("without_draft", 7))], "{:.1f}")
+        ax.set_xticks(range(len(parts)), [f"{name}\n{tp['speedup']:.2f}x" if tp.get("speedup") else name
+                                          for name, tp in parts.items()], fontsize=8)
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no throughput in the report", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("tokens/s per prompt set (speedup under the name)")
 
     # 2) loss
     ax = axes[1]
@@ -117,10 +163,45 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
         ax.legend(fontsize=7, ncol=2)
     else:
         ax.text(0.5, 0.5, "no accuracy in train/metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
+    return _save(fig, out_path)
 
-    fig.tight_layout()
-    out_path = Path(out_path)
-    with atomic_path(out_path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    return out_path
+
+def plot_compare(comparison: dict, out_path: str | Path) -> Path:
+    """05 --compare's figure (eval/compare/report.png): the two drafts on every prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(comparison["drafts"])
+    names = list(comparison["acceptance_length"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+
+    ax = axes[0]
+    _bars(ax, [(f"{label}: {'/'.join(Path(comparison['drafts'][label]).parts[-3:])}",
+                [comparison["acceptance_length"][n][label] for n in names], _color(i)) for i, label in enumerate(labels)])
+    ax.set_xticks(range(len(names)), [f"{n}\nb - a {comparison['acceptance_length'][n]['b_minus_a']:+.2f}" for n in names], fontsize=8)
+    ax.set_ylabel("acceptance length")
+    ax.set_title(f"acceptance length per prompt set (k={comparison['num_speculative_tokens']})")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    for j, n in enumerate(names):
+        for i, label in enumerate(labels):
+            rates = comparison["per_position_acceptance"][n][label]
+            ax.plot(range(len(rates)), rates, "o-" if i == 0 else "s--", color=_color(j + 2), label=f"{n}, {label}")
+    ax.set_xticks(range(comparison["num_speculative_tokens"]))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("per-position acceptance (a solid, b dashed)")
+    ax.legend(fontsize=7, ncol=2)
+
+    ax = axes[2]
+    _bars(ax, [(label, [comparison["speedup"][n][label] or 0.0 for n in names], _color(i)) for i, label in enumerate(labels)], "{:.2f}x")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("tokens/s with the draft / target alone")
+    ax.set_title("speedup per prompt set")
+    ax.legend(fontsize=8)
+    return _save(fig, out_path)

@@ -12,25 +12,32 @@ How (the same counter-delta method as `vllm bench serve` and speculators' evalua
    be identical with and without the draft (speculative decoding is lossless); mismatches are
    counted and listed in the report, never hidden.
 
-Two prompt sets, each measured between its own pair of scrapes: the held-out prompts (the
-headline numbers) and, when evaluate.other_prompts is set, prompts of another kind than the
-training data (report["other_prompts"]): how well the draft generalises.
+Each prompt set is measured between its own pair of scrapes: the held-out prompts (the headline
+numbers, at the top level of the report), and every set of evaluate.prompt_sets and
+evaluate.other_prompts (the set named "other"): benchmark prompts, or prompts of another kind than
+the training data (report["prompt_sets"][name]; common.evaluate.prompt_sets reads them). One summary
+line per set.
 
 The offline prediction (report["offline"]) is 04's replay of vLLM's rounds over the eval split
 (common.model.acceptance), with its relative error against the measured acceptance length. With
 evaluate.replay_served, report["replay_on_served"] replays the rounds over the exact token ids vLLM
 served for the held-out prompts: the same text on both sides, so it checks the replay itself.
 
-The target-alone run ("baseline") is cached in eval/baseline.json (eval/baseline-other.json) under
-a key of everything it depends on, so run_pipeline.py can take it on the generation server it
+The target-alone run ("baseline") is cached per set in eval/baseline.json (eval/baseline-NAME.json)
+under a key of everything it depends on, so run_pipeline.py can take it on the generation server it
 already has running (`05_evaluate.py --baseline-only --base-url URL`) and this stage starts one
 server instead of two.
+
+`--compare DIR_A DIR_B` measures two drafts with the same server settings on the same prompts (every
+set; one server per draft, the target-alone baselines shared) and writes them side by side under
+eval/compare/: report.json ({"acceptance_length": {set: {"a", "b", "b_minus_a"}}, "reports": {"a", "b"}:
+each draft's report as a plain run writes it}), report.png and the outputs. eval/report.json is left as is.
 
 Requests go through common.serving.chat, 01b's client and request body: generate.extra_body and
 generate.enable_thinking reach 05's requests as they reach 01b's.
 
-Outputs under run_dir/eval/: report.json (atomic), report.png, outputs.jsonl and
-outputs-other.jsonl (both outputs per prompt), baseline.json, baseline-other.json.
+Outputs under run_dir/eval/: report.json (atomic), report.png, outputs.jsonl and outputs-NAME.jsonl
+(both outputs per prompt), baseline.json, baseline-NAME.json; eval/compare/ (--compare).
 """
 
 from __future__ import annotations
@@ -42,14 +49,15 @@ import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from common.core.config import Config
 from common.core.errors import DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256, iter_jsonl, read_json, write_jsonl_atomic
 from common.core.run_folder import HELD_OUT, OTHER, Layout, StageManifest, content_fingerprint
+from common.evaluate.prompt_sets import PromptSet, load_prompt_set, load_prompt_sets
 from common.serving.chat import chat_request, make_client, parse_completion, served_model
 
 
@@ -88,82 +96,15 @@ def acceptance_metrics(delta: dict, num_speculative_tokens: int) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- prompts and requests
-
-
-def _first_user_turn(row: dict) -> list[dict]:
-    """System turns and the first user turn; [] when there is no user turn.
-
-    Multi-turn prompts carry only user turns (01_prepare_data drops the assistant ones), so
-    the first turn is the only one that can be sent without the target's own answers.
-    """
-    messages = []
-    for m in row.get("messages") or []:
-        if not isinstance(m, dict) or m.get("role") == "assistant":
-            continue
-        messages.append({"role": m.get("role"), "content": m.get("content")})
-        if m.get("role") == "user":
-            break
-    return messages if messages and messages[-1]["role"] == "user" else []
-
-
-def load_eval_prompts(cfg: Config) -> list[dict]:
-    """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn."""
-    path = Layout.of(cfg).prompts
-    if not path.is_file():
-        raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
-    prompts = []
-    for row in iter_jsonl(path):
-        if row.get("split") != "eval":
-            continue
-        messages = _first_user_turn(row)
-        if messages:
-            prompts.append({"id": row["id"], "messages": messages})
-        if len(prompts) >= cfg.evaluate.num_prompts:
-            break
-    if not prompts:
-        raise DataError(
-            f"{path} has no eval-split prompts; set data.eval_fraction > 0 and rerun 01_prepare_data.py --overwrite"
-        )
-    return prompts
-
-
-def load_other_prompts(cfg: Config) -> Optional[list[dict]]:
-    """The first evaluate.num_prompts prompts of evaluate.other_prompts (None when unset).
-
-    The set measures generalisation, so none of its prompts may be a training prompt.
-    """
-    if not cfg.evaluate.other_prompts:
-        return None
-    path = Path(cfg.evaluate.other_prompts)
-    if not path.is_file():
-        raise DataError(f"evaluate.other_prompts file not found: {path}; write it with `python scripts/make_sample_data.py "
-                        f"--other` or set evaluate.other_prompts=null")
-    prompts = []
-    for n, row in enumerate(iter_jsonl(path), 1):
-        messages = _first_user_turn(row) if isinstance(row, dict) else []
-        if not messages or not all(isinstance(m["content"], str) for m in messages):
-            raise DataError(f"{path} line {n} has no user turn with text content; each line needs "
-                            f"{{\"id\", \"messages\": [{{\"role\": \"user\", \"content\": ...}}]}}")
-        prompts.append({"id": str(row.get("id") or f"other-{n}"), "messages": messages})
-        if len(prompts) >= cfg.evaluate.num_prompts:
-            break
-    if not prompts:
-        raise DataError(f"{path} has no prompts; write it with `python scripts/make_sample_data.py --other`")
-    train_prompts = Layout.of(cfg).prompts
-    if train_prompts.is_file():
-        user_text = lambda msgs: next(m["content"] for m in msgs if m["role"] == "user")  # noqa: E731
-        trained = {user_text(_first_user_turn(r)) for r in iter_jsonl(train_prompts)
-                   if r.get("split") == "train" and _first_user_turn(r)}
-        shared = [p["id"] for p in prompts if user_text(p["messages"]) in trained]
-        if shared:
-            raise DataError(f"evaluate.other_prompts {path} shares {len(shared)} prompt(s) with the training data "
-                            f"(first: {shared[0]}); the set must be kept apart from data.source")
-    return prompts
+# ----------------------------------------------------------------------------- drafts, keys and requests
 
 
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def prompts_sha256(prompts: list[dict]) -> str:
+    return _sha256_json([[p["id"], p["messages"]] for p in prompts])
 
 
 def draft_fingerprint(draft_dir: Path, layout: Optional[Layout] = None) -> str:
@@ -202,7 +143,7 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
         "target": cfg.target.model,
         "target_config_sha256": file_sha256(target_cfg) if target_cfg.is_file() else None,
         "target_dtype": cfg.target.dtype,
-        "prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in prompts]),
+        "prompts_sha256": prompts_sha256(prompts),
         "sampling": sampling_params(cfg),
         "server": asdict(cfg.server) | {"port": None},
         # Every request carries generate.extra_body (common.serving.chat); keys made without one stay valid.
@@ -210,16 +151,17 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
     }
 
 
-def report_key(cfg: Config, prompts: list[dict], draft_dir: Path, draft_sha: str,
-               other: Optional[list[dict]] = None, foreign_draft: bool = False) -> dict:
-    return baseline_key(cfg, prompts) | {
+def report_key(cfg: Config, sets: dict[str, PromptSet], draft_dir: Path, draft_sha: str, foreign_draft: bool = False) -> dict:
+    named = {name: prompts_sha256(s.prompts) for name, s in sets.items() if name not in (HELD_OUT, OTHER)}
+    return baseline_key(cfg, sets[HELD_OUT].prompts) | {
         "draft": str(draft_dir),
         "draft_sha256": draft_sha,
         "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
-        "other_prompts_sha256": _sha256_json([[p["id"], p["messages"]] for p in other]) if other else None,
+        "other_prompts_sha256": prompts_sha256(sets[OTHER].prompts) if OTHER in sets else None,
         "replay_served": cfg.evaluate.replay_served,
-        # reported without this run's prediction; keys made before the flag stay valid
+        # reported without this run's prediction; keys made before the flag (or evaluate.prompt_sets) stay valid
         **({"foreign_draft": True} if foreign_draft else {}),
+        **({"prompt_sets_sha256": named} if named else {}),
     }
 
 
@@ -351,16 +293,8 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
 # ----------------------------------------------------------------------------- the stage
 
 
-def prompt_sets(cfg: Config) -> dict[str, list[dict]]:
-    sets = {HELD_OUT: load_eval_prompts(cfg)}
-    other = load_other_prompts(cfg)
-    if other:
-        sets[OTHER] = other
-    return sets
-
-
 def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None, prompt_set: str = HELD_OUT) -> Optional[dict]:
-    """The target-alone run of a prompt set (eval/baseline.json, eval/baseline-other.json) if it was
+    """The target-alone run of a prompt set (eval/baseline.json, eval/baseline-NAME.json) if it was
     measured with the current key, else None."""
     path = Layout.of(cfg).baseline_of(prompt_set)
     if not path.is_file():
@@ -370,13 +304,13 @@ def cached_baseline(cfg: Config, prompts: Optional[list[dict]] = None, prompt_se
     except DataError:
         return None
     if prompts is None:
-        prompts = load_eval_prompts(cfg) if prompt_set == HELD_OUT else load_other_prompts(cfg)
+        prompts = load_prompt_set(cfg, prompt_set).prompts
     return baseline if prompts and baseline.get("key") == baseline_key(cfg, prompts) else None
 
 
 def missing_baselines(cfg: Config) -> list[str]:
     """The prompt sets whose target-alone run is not cached yet."""
-    return [name for name, prompts in prompt_sets(cfg).items() if cached_baseline(cfg, prompts, name) is None]
+    return [name for name, s in load_prompt_sets(cfg).items() if cached_baseline(cfg, s.prompts, name) is None]
 
 
 def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT) -> dict:
@@ -504,14 +438,27 @@ def prediction_error(report: dict) -> Optional[float]:
     return None
 
 
-def format_summary(report: dict) -> str:
-    per_pos = "/".join(f"{r:.2f}" for r in report["per_position_acceptance"])
-    line = f"acceptance length {report['acceptance_length']:.2f} (k={report['num_speculative_tokens']}) | per-position {per_pos}"
-    speedup = report["throughput"].get("speedup")
+def measured_sets(report: dict) -> dict[str, dict]:
+    """The report's prompt sets besides the held-out one (a report written before evaluate.prompt_sets: its other_prompts)."""
+    if "prompt_sets" in report:
+        return report["prompt_sets"] or {}
+    return {OTHER: report["other_prompts"]} if report.get("other_prompts") else {}
+
+
+def set_summary(part: dict) -> str:
+    """One prompt set's numbers: acceptance length, per-position acceptance, tokens/s speedup, identical outputs."""
+    per_pos = "/".join(f"{r:.2f}" for r in part["per_position_acceptance"])
+    line = f"acceptance length {part['acceptance_length']:.2f} (k={part['num_speculative_tokens']}) | per-position {per_pos}"
+    speedup = part["throughput"].get("speedup")
     if speedup is not None:
         line += f" | {speedup:.2f}x tokens/s"
-    o = report["outputs"]
-    line += f" | {o['identical']}/{o['compared']} outputs identical"
+    o = part["outputs"]
+    return line + f" | {o['identical']}/{o['compared']} outputs identical"
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The held-out set's line (with the offline prediction), then one line per prompt set."""
+    line = set_summary(report)
     offline = report.get("offline") or {}
     if isinstance(offline.get("expected_acceptance_length"), (int, float)):
         line += f" | offline {offline.get('prediction', 'estimate')} {offline['expected_acceptance_length']:.2f}"
@@ -523,11 +470,12 @@ def format_summary(report: dict) -> str:
     served = report.get("replay_on_served")
     if served:
         line += f" | replay on the served outputs {served['acceptance_length']:.2f} ({100 * served['relative_error']:+.1f}%)"
-    other = report.get("other_prompts")
-    if other:
-        line += (f" | other-kind prompts: acceptance length {other['acceptance_length']:.2f}, "
-                 f"{other['outputs']['identical']}/{other['outputs']['compared']} identical")
-    return line
+    lines = [line]
+    for name, part in measured_sets(report).items():
+        skipped = sum((part.get("rows_skipped") or {}).values())
+        lines.append(f"prompt set {name} ({part['num_prompts']} prompts{f', {skipped} rows skipped' if skipped else ''}): "
+                     f"{set_summary(part)}")
+    return lines
 
 
 def _set_results(cfg: Config, prompts: list[dict], with_draft: dict, acceptance: dict, baseline: dict,
@@ -574,48 +522,55 @@ def replay_on_served(cfg: Config, draft: Path, prompts: list[dict], outputs: dic
     return result
 
 
-def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False,
-              baseline_only: bool = False, base_url: Optional[str] = None, foreign_draft: bool = False) -> int:
+def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = False, baseline_only: bool = False,
+              base_url: Optional[str] = None, foreign_draft: bool = False, compare: Optional[list[str]] = None) -> int:
     layout = Layout.of(cfg)
-    sets = prompt_sets(cfg)
+    sets = load_prompt_sets(cfg)
     if baseline_only:
         return run_baseline_only(cfg, layout, sets, base_url, overwrite)
+    if compare:
+        return run_compare(cfg, layout, sets, compare, overwrite, base_url, foreign_draft)
     # Every check comes before --overwrite deletes the previous eval/ outputs: a refusal loses nothing.
-    draft = find_draft(cfg, draft_dir)
-    check_draft(cfg, draft, foreign_draft)
-    draft_sha = draft_fingerprint(draft, layout)
-    offline = (None, "--foreign-draft: not this run's draft") if foreign_draft else offline_prediction(cfg, draft, draft_sha)
-    key = report_key(cfg, sets[HELD_OUT], draft, draft_sha, sets.get(OTHER), foreign_draft)
+    draft, draft_sha, offline = checked_draft(cfg, layout, draft_dir, foreign_draft)
+    key = report_key(cfg, sets, draft, draft_sha, foreign_draft)
     if overwrite:
-        for p in layout.evaluate_outputs():
+        for p in layout.evaluate_outputs(sets):
             p.unlink(missing_ok=True)
     manifest = stage_manifest(cfg, key)
     if manifest.begin(overwrite, outputs=[layout.eval_report]) == "complete":
         manifest.record("already_complete")
-        print(f"05_evaluate: already complete ({layout.eval_report}): {format_summary(read_json(layout.eval_report))}; use --overwrite to redo")
+        print_lines(summary_lines(read_json(layout.eval_report)), f"already complete ({layout.eval_report}): ", "; use --overwrite to redo")
         return 0
     with_draft, acceptance = measure_with_draft(cfg, layout, sets, draft)
     baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url)
-    report = build_report(cfg, layout, sets, draft, draft_sha, key, with_draft, acceptance, baselines, offline)
-    write_report(cfg, layout, report)
+    files = ReportFiles(layout.eval_report, layout.eval_plot, layout.eval_outputs_of)
+    report = build_report(cfg, layout, sets, draft, draft_sha, key, with_draft, acceptance, baselines, offline, files)
+    write_report(layout, report, files)
     manifest.complete({"acceptance_length": report.get("acceptance_length")})
-    print(f"05_evaluate: {format_summary(report)} -> {layout.eval_report}")
+    print_lines(summary_lines(report), "", f" -> {layout.eval_report}")
     return 0
 
 
-def run_baseline_only(cfg: Config, layout: Layout, sets: dict[str, list[dict]], base_url: Optional[str], overwrite: bool) -> int:
+def print_lines(lines: list[str], before: str, after: str) -> None:
+    """05's summary: the first line with `before` and `after` around it, then one line per prompt set."""
+    print(f"05_evaluate: {before}{lines[0]}{after}")
+    for line in lines[1:]:
+        print(f"05_evaluate: {line}")
+
+
+def run_baseline_only(cfg: Config, layout: Layout, sets: dict[str, PromptSet], base_url: Optional[str], overwrite: bool) -> int:
     """run_pipeline.py: measure the target alone on the server it already runs for 01b."""
     if not base_url:
         raise PipelineError("--baseline-only needs --base-url of a running vLLM server of the target alone")
-    todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name], name) is None]
+    todo = [name for name in sets if overwrite or cached_baseline(cfg, sets[name].prompts, name) is None]
     record = StageManifest(layout, "05_baseline").record  # what run_pipeline reports
     if not todo:
         print(f"05_evaluate: baseline already complete ({layout.baseline}); use --overwrite to redo")
         record("already_complete")
         return 0
     for name in todo:
-        b = measure_baseline(cfg, base_url, sets[name], name)
-        print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name])} prompts, {b['output_tokens']} "
+        b = measure_baseline(cfg, base_url, sets[name].prompts, name)
+        print(f"05_evaluate: baseline (target alone, {name} prompts) {len(sets[name].prompts)} prompts, {b['output_tokens']} "
               f"tokens in {b['wall_s']:.1f}s ({b['tokens_per_s']:.1f} tok/s)")
     record("done")
     return 0
@@ -630,39 +585,64 @@ def find_draft(cfg: Config, draft_dir: Optional[str]) -> Path:
     return draft
 
 
-def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft: Path) -> tuple[dict, dict]:
+def checked_draft(cfg: Config, layout: Layout, draft_dir: Optional[str], foreign_draft: bool
+                  ) -> tuple[Path, str, tuple[Optional[dict], Optional[str]]]:
+    """The draft to measure (checked: check_draft), the fingerprint of its weights, and 04's prediction for it
+    (offline_prediction; none for --foreign-draft)."""
+    draft = find_draft(cfg, draft_dir)
+    check_draft(cfg, draft, foreign_draft)
+    draft_sha = draft_fingerprint(draft, layout)
+    offline = (None, "--foreign-draft: not this run's draft") if foreign_draft else offline_prediction(cfg, draft, draft_sha)
+    return draft, draft_sha, offline
+
+
+def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path,
+                       log_name: str = "vllm_eval_draft") -> tuple[dict, dict]:
     """Target + draft: each prompt set between its own pair of /metrics scrapes. Returns (runs, acceptance) per set."""
     from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
 
     k = cfg.evaluate.num_speculative_tokens
     with_draft, acceptance = {}, {}
-    with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log("vllm_eval_draft")) as server:
-        warm_up(cfg, server.base_url, sets[HELD_OUT])
-        for name, set_prompts in sets.items():
+    with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log(log_name)) as server:
+        warm_up(cfg, server.base_url, sets[HELD_OUT].prompts)
+        for name, prompt_set in sets.items():
             before = spec_decode_metrics(scrape_metrics(server.base_url))
-            with_draft[name] = run_prompts(cfg, server.base_url, set_prompts, desc=f"target + draft (k={k}, {name})")
+            with_draft[name] = run_prompts(cfg, server.base_url, prompt_set.prompts, desc=f"target + draft (k={k}, {name})")
             after = spec_decode_metrics(scrape_metrics(server.base_url))
             acceptance[name] = acceptance_metrics(metrics_delta(after, before), k)
     return with_draft, acceptance
 
 
-def measure_or_reuse_baselines(cfg: Config, layout: Layout, sets: dict[str, list[dict]], base_url: Optional[str]) -> dict:
+def measure_or_reuse_baselines(cfg: Config, layout: Layout, sets: dict[str, PromptSet], base_url: Optional[str]) -> dict:
     """Target alone, per set: cached when run_pipeline measured it on the generation server."""
-    baselines = {name: cached_baseline(cfg, set_prompts, name) for name, set_prompts in sets.items()}
+    baselines = {name: cached_baseline(cfg, prompt_set.prompts, name) for name, prompt_set in sets.items()}
     if any(b is None for b in baselines.values()):
         with (contextlib.nullcontext(None) if base_url else
               target_server(cfg, None, log_path=layout.log("vllm_eval_target"))) as server:
             for name, b in baselines.items():
                 if b is None:
-                    baselines[name] = measure_baseline(cfg, base_url or server.base_url, sets[name], name)
+                    baselines[name] = measure_baseline(cfg, base_url or server.base_url, sets[name].prompts, name)
     return baselines
 
 
-def build_report(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft: Path, draft_sha: str, key: dict,
-                 with_draft: dict, acceptance: dict, baselines: dict, offline: tuple[Optional[dict], Optional[str]]) -> dict:
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where one draft's measurement is written: eval/ for a plain run, eval/compare/ for each draft of --compare."""
+
+    report: Path
+    plot: Path
+    outputs_of: Callable[[str], Path]  # a prompt set's outputs with and without the draft
+
+
+def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path, draft_sha: str, key: dict,
+                 with_draft: dict, acceptance: dict, baselines: dict, offline: tuple[Optional[dict], Optional[str]],
+                 files: ReportFiles) -> dict:
     """offline: (04's prediction for this draft, or None and why there is none: offline_prediction)."""
-    prompts, other = sets[HELD_OUT], sets.get(OTHER)
-    held_out = _set_results(cfg, prompts, with_draft[HELD_OUT], acceptance[HELD_OUT], baselines[HELD_OUT], layout.eval_outputs)
+    results = {name: _set_results(cfg, s.prompts, with_draft[name], acceptance[name], baselines[name], files.outputs_of(name))
+               for name, s in sets.items()}
+    prompt_sets = {name: {**s.describe(), **results[name],
+                          "files": {"outputs": str(files.outputs_of(name)), "baseline": str(layout.baseline_of(name))}}
+                   for name, s in sets.items() if name != HELD_OUT}
     report = {
         "version": REPORT_VERSION,
         "complete": True,
@@ -671,40 +651,140 @@ def build_report(cfg: Config, layout: Layout, sets: dict[str, list[dict]], draft
         "draft_sha256": draft_sha,
         "target": cfg.target.model,
         "sampling": sampling_params(cfg),
-        **held_out,  # the held-out prompts: the headline numbers
+        **results[HELD_OUT],  # the held-out prompts: the headline numbers
         "offline": offline[0],
         "offline_missing": offline[1],
-        "other_prompts": None if other is None else {
-            "path": cfg.evaluate.other_prompts,
-            **_set_results(cfg, other, with_draft[OTHER], acceptance[OTHER], baselines[OTHER], layout.eval_outputs_of(OTHER))},
-        "files": {"report": str(layout.eval_report), "plot": str(layout.eval_plot), "outputs": str(layout.eval_outputs),
-                  "baseline": str(layout.baseline),
-                  **({"outputs_other": str(layout.eval_outputs_of(OTHER)), "baseline_other": str(layout.baseline_of(OTHER))} if other else {})},
+        "prompt_sets": prompt_sets,
+        # the name of evaluate.other_prompts' section before evaluate.prompt_sets, kept: the same as prompt_sets.other
+        "other_prompts": {"path": sets[OTHER].source, **prompt_sets[OTHER]} if OTHER in sets else None,
+        "files": {"report": str(files.report), "plot": str(files.plot), "outputs": str(files.outputs_of(HELD_OUT)),
+                  "baseline": str(layout.baseline)},
         "created": time.time(),
     }
     report["offline_prediction_error"] = prediction_error(report)
     if cfg.evaluate.replay_served:
-        report["replay_on_served"] = replay_on_served(cfg, draft, prompts, with_draft[HELD_OUT]["outputs"], acceptance[HELD_OUT])
+        report["replay_on_served"] = replay_on_served(cfg, draft, sets[HELD_OUT].prompts, with_draft[HELD_OUT]["outputs"],
+                                                      acceptance[HELD_OUT])
     return report
 
 
-def write_report(cfg: Config, layout: Layout, report: dict) -> None:
-    """The plot, then report.json; warns when greedy outputs differ with and without the draft."""
+def write_report(layout: Layout, report: dict, files: ReportFiles) -> None:
+    """The plot, then report.json."""
     from common.evaluate.plots import plot_report
 
-    plot_report(report, layout.metrics, layout.eval_plot)
-    atomic_write_json(layout.eval_report, report)
-    for name, part in ((HELD_OUT, report), (OTHER, report["other_prompts"])):
-        o = part["outputs"] if part else None
-        if o and o["greedy"] and o["identical"] != o["compared"]:
+    plot_report(report, layout.metrics, files.plot)
+    atomic_write_json(files.report, report)
+    warn_mismatches(report, files.report)
+
+
+def warn_mismatches(report: dict, path: Path) -> None:
+    """A warning per prompt set whose greedy outputs differ with and without the draft."""
+    for name, part in ((HELD_OUT, report), *measured_sets(report).items()):
+        o = part["outputs"]
+        if o["greedy"] and o["identical"] != o["compared"]:
             print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
-                  f"prompts) differ with and without the draft (see 'mismatch_examples' in {layout.eval_report})", file=sys.stderr)
+                  f"prompts, draft {report['draft']}) differ with and without the draft (see 'mismatch_examples' in {path})",
+                  file=sys.stderr)
 
 
-def stage_manifest(cfg: Config, key: dict):
+def stage_manifest(cfg: Config, key: dict, stage: str = "05_evaluate"):
     """05's record (common.core.run_folder): everything the measurement depends on (report_key). A
     measurement is replaced whole, so any change means "measure again", not an error: also an entry only
     one of the two keys has (extra_body, foreign_draft)."""
-    manifest = StageManifest(Layout.of(cfg), "05_evaluate", settings=key)
+    manifest = StageManifest(Layout.of(cfg), stage, settings=key)
     manifest.redo_on = set(key) | set((manifest.previous or {}).get("settings") or {})
     return manifest
+
+
+# ----------------------------------------------------------------------------- --compare DIR_A DIR_B
+
+
+COMPARED = ("a", "b")  # the two drafts of --compare, in the order given
+
+
+def compare_files(layout: Layout) -> dict[str, ReportFiles]:
+    """eval/compare/: one report.json and report.png for both drafts, outputs-a-SET.jsonl and outputs-b-SET.jsonl."""
+    return {label: ReportFiles(layout.compare_report, layout.compare_plot, lambda name, label=label: layout.compare_outputs_of(label, name))
+            for label in COMPARED}
+
+
+def run_compare(cfg: Config, layout: Layout, sets: dict[str, PromptSet], dirs: list[str], overwrite: bool,
+                base_url: Optional[str], foreign_draft: bool) -> int:
+    """Two drafts with the same server settings on the same prompts (every set), side by side in eval/compare/."""
+    drafts = {label: checked_draft(cfg, layout, d, foreign_draft) for label, d in zip(COMPARED, dirs)}
+    keys = {label: report_key(cfg, sets, draft, sha, foreign_draft) for label, (draft, sha, _) in drafts.items()}
+    files = compare_files(layout)
+    path = files["a"].report
+    if overwrite:  # after every check: a refusal loses nothing
+        for p in [path, files["a"].plot, *(f.outputs_of(n) for f in files.values() for n in sets), *map(layout.baseline_of, sets)]:
+            p.unlink(missing_ok=True)
+    manifest = stage_manifest(cfg, keys, "05_compare")
+    if manifest.begin(overwrite, outputs=[path]) == "complete":
+        manifest.record("already_complete")
+        print_lines(compare_lines(read_json(path)), f"already complete ({path}): ", "; use --overwrite to redo")
+        return 0
+    measured = {label: measure_with_draft(cfg, layout, sets, draft, f"vllm_compare_{label}") for label, (draft, _, _) in drafts.items()}
+    baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url)
+    reports = {label: build_report(cfg, layout, sets, draft, sha, keys[label], *measured[label], baselines, offline, files[label])
+               for label, (draft, sha, offline) in drafts.items()}
+    comparison = compare_report(cfg, sets, reports, keys, files)
+    from common.evaluate.plots import plot_compare
+
+    plot_compare(comparison, files["a"].plot)
+    atomic_write_json(path, comparison)
+    for report in reports.values():
+        warn_mismatches(report, path)
+    manifest.complete({"acceptance_length": {label: r["acceptance_length"] for label, r in reports.items()}})
+    print_lines(compare_lines(comparison), "", f" -> {path}")
+    return 0
+
+
+def set_part(report: dict, name: str) -> dict:
+    """One prompt set's measurement in a report (the held-out set's is the top level)."""
+    return report if name == HELD_OUT else report["prompt_sets"][name]
+
+
+def compare_report(cfg: Config, sets: dict[str, PromptSet], reports: dict[str, dict], keys: dict, files: dict[str, ReportFiles]) -> dict:
+    """Both drafts' reports, and per set their acceptance lengths and tokens/s speedups side by side."""
+    def side_by_side(field: str) -> dict:
+        return {name: {label: set_part(r, name)[field] for label, r in reports.items()} for name in sets}
+
+    acceptance = side_by_side("acceptance_length")
+    for name, values in acceptance.items():
+        values["b_minus_a"] = values["b"] - values["a"]
+    return {
+        "version": REPORT_VERSION,
+        "complete": True,
+        "key": keys,
+        "target": cfg.target.model,
+        "sampling": sampling_params(cfg),
+        "server": asdict(cfg.server) | {"port": None},  # one setting for both drafts' servers
+        "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
+        "drafts": {label: r["draft"] for label, r in reports.items()},
+        "prompt_sets": {name: {"num_prompts": len(s.prompts), "prompts_sha256": prompts_sha256(s.prompts), **s.describe()}
+                        for name, s in sets.items()},
+        "acceptance_length": acceptance,
+        "per_position_acceptance": side_by_side("per_position_acceptance"),
+        "speedup": {name: {label: set_part(r, name)["throughput"]["speedup"] for label, r in reports.items()} for name in sets},
+        "reports": reports,
+        "files": {"report": str(files["a"].report), "plot": str(files["a"].plot),
+                  "outputs": {label: {name: str(f.outputs_of(name)) for name in sets} for label, f in files.items()}},
+        "created": time.time(),
+    }
+
+
+def compare_lines(comparison: dict) -> list[str]:
+    """A line naming both drafts and their offline predictions, then one line per prompt set: a, b and b - a."""
+    def offline(report: dict) -> str:
+        predicted = (report.get("offline") or {}).get("expected_acceptance_length")
+        return f"offline prediction {predicted:.2f}" if isinstance(predicted, (int, float)) else "no offline prediction"
+
+    reports = comparison["reports"]
+    lines = ["compare (k={}): {}".format(comparison["num_speculative_tokens"], "; ".join(
+        f"{label} = {r['draft']} ({offline(r)})" for label, r in reports.items()))]
+    for name, al in comparison["acceptance_length"].items():
+        speedup = comparison["speedup"][name]
+        tps = ", ".join(f"{label} {speedup[label]:.2f}x" for label in COMPARED if speedup[label] is not None)
+        lines.append(f"{name} ({comparison['prompt_sets'][name]['num_prompts']} prompts): acceptance length a {al['a']:.2f} | "
+                     f"b {al['b']:.2f} | b - a {al['b_minus_a']:+.2f}" + (f" | tokens/s vs the target alone: {tps}" if tps else ""))
+    return lines

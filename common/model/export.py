@@ -181,33 +181,63 @@ def read_draft_config(path) -> DraftModelConfig:
         raise DataError(f"{config_path} is not a valid EAGLE-3 draft config ({' '.join(str(e).split())}); {redo}") from None
 
 
+def draft_weight_files(path) -> list[Path]:
+    """The safetensors of the draft in `path`: model.safetensors, else every *.safetensors (a draft saved
+    in several files, as some publishers do)."""
+    path = Path(path)
+    single = path / WEIGHTS_NAME
+    return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def read_draft_tensors(path, shapes_only: bool = False, names: set[str] | None = None) -> dict:
+    """{name: tensor} (or {name: shape} from the headers alone) of the tensors of the draft in `path` (all, or
+    those in `names`), either format, under our names (speculators' `layers.0.` is `midlayer.`). A missing or
+    unreadable file is one DataError naming it."""
+    from safetensors import safe_open
+
+    files = draft_weight_files(path)
+    if not files:
+        raise DataError(f"{Path(path) / WEIGHTS_NAME} is missing; '{path}' is not an exported EAGLE-3 draft "
+                        f"(run 04_train.py or re-export)")
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    ours = "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+                    if names is not None and ours not in names:
+                        continue
+                    out[ours] = tuple(sf.get_slice(name).get_shape()) if shapes_only else sf.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types
+            raise DataError(f"cannot read {f} ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); the "
+                            f"file is truncated or corrupt: re-export or re-download the draft") from None
+    return out
+
+
+def check_draft_tensors(shapes: dict, config: DraftModelConfig, where, optional: set[str] = frozenset()) -> None:
+    """DataError unless `shapes` ({name: shape}) are exactly the tensors of a draft of `config`: embed_tokens
+    may be absent (shared from the target), and so may the names in `optional`."""
+    with torch.device("meta"):  # shapes only: no memory, no init
+        own = {k: tuple(v.shape) for k, v in Eagle3DraftModel(config).state_dict().items()}
+    missing = [k for k in own if k not in shapes and not k.startswith("embed_tokens.") and k not in optional]
+    unexpected = [k for k in shapes if k not in own]
+    wrong = [f"{k} {tuple(v)} != {own[k]}" for k, v in shapes.items() if k in own and tuple(v) != own[k]]
+    if missing or unexpected or wrong:
+        raise DataError(f"{where} does not match its config.json: missing {missing}, "
+                        f"unexpected {unexpected}, wrong shapes {wrong}; re-export the draft")
+
+
 def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
                         device: str | torch.device = "cpu") -> Eagle3DraftModel:
     """Rebuild the draft from an export (either format). Without embed_tokens in the file, pass the
     target embedding as `embedding` (or call load_target_embedding later)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    weights_path = path / WEIGHTS_NAME
     config = read_draft_config(path)
-    if not weights_path.exists():
-        raise DataError(f"{weights_path} is missing; '{path}' is not an exported EAGLE-3 draft (run 04_train.py or re-export)")
-    model = Eagle3DraftModel(config)
-    state = {}
-    for name, tensor in load_file(str(weights_path)).items():
-        if name.startswith("layers.0."):  # speculators naming of layer 0
-            name = "midlayer." + name.removeprefix("layers.0.")
-        state[name] = tensor
-    own = model.state_dict()
+    state = read_draft_tensors(path)
     # embed_tokens: shared from the target; d2t/t2d: absent from a full-vocab export (identity map, the default)
-    optional = {"d2t", "t2d"} if not has_vocab_map(config) else set()
-    missing = [k for k in own if k not in state and not k.startswith("embed_tokens.") and k not in optional]
-    unexpected = [k for k in state if k not in own]
-    wrong = [f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in state.items()
-             if k in own and v.shape != own[k].shape]
-    if missing or unexpected or wrong:
-        raise DataError(f"{weights_path} does not match its config.json: missing {missing}, "
-                        f"unexpected {unexpected}, wrong shapes {wrong}; re-export the draft")
+    check_draft_tensors({k: v.shape for k, v in state.items()}, config, draft_weight_files(path)[0],
+                        optional={"d2t", "t2d"} if not has_vocab_map(config) else set())
+    model = Eagle3DraftModel(config)
     model.load_state_dict(state, strict=False)
     if embedding is not None:
         model.load_target_embedding(embedding)

@@ -9,8 +9,9 @@ What is alive at the peak (read off common/model/draft.py, common/model/ttt.py, 
 and common/core/distributed.py; P = trainable parameters, W = ranks, T = train.batch_max_tokens,
 K = train.ttt_steps, c = bytes of the compute dtype, 2 in bf16, 4 in fp32):
 
-- state: the fp32 master weights (4P; FSDP: 4P/W), AdamW's exp_avg + exp_avg_sq (8P; FSDP 8P/W,
-  allocated at the first optimizer step: the steady state from step 2 on is what is planned),
+- state: the fp32 master weights (4P; FSDP: 4P/W; train.anchor_weight > 0: twice, the init's copy),
+  AdamW's exp_avg + exp_avg_sq (8P; FSDP 8P/W, allocated at the first optimizer step: the steady
+  state from step 2 on is what is planned),
   the gradients (4P; DDP adds its 4P of all-reduce buckets; FSDP: the unsharded gradients in the
   param dtype during backward, plus 4P fp32 kept between micro-batches when grad_accum > 1),
   bf16 weights (single process / DDP: autocast's cached casts, 2P; FSDP: the root unit's
@@ -32,6 +33,7 @@ Checked against measured peaks (torch's allocator total, CPU) in tests/train/tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -111,6 +113,8 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     shard = (lambda n: math.ceil(n / W)) if mode == "fsdp" else (lambda n: n)
     weights = 4 * shard(P)
     adam = 8 * shard(P)
+    # train.anchor_weight > 0: an fp32 copy of the init's weights, sharded like the masters (common.train.step.set_anchor)
+    anchor = 4 * shard(P) if getattr(t, "anchor_weight", 0) > 0 else 0
     if mode == "fsdp":
         working = c * P  # the root unit's all-gathered params (param_dtype), through forward and backward
         grads = c * P + (4 * P if t.grad_accum > 1 else 0)  # unsharded grads (+ fp32 accumulated ones)
@@ -174,7 +178,7 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     backward = max(attn_bwd, mlp_bwd)
 
     # each moment's terms (the peak is the largest sum)
-    common = {"weights": weights, "AdamW": adam, "embedding+teacher head": frozen + teacher_head}
+    common = {"weights": weights, "AdamW": adam, "anchor": anchor, "embedding+teacher head": frozen + teacher_head}
     in_use = {**common, "weights": weights + working, "grads": grads, "batch+teacher logp": batch + teacher + bookkeeping}
     moments = {
         "backward": {**in_use, "activations": saved, "transient": backward},
@@ -269,7 +273,8 @@ def plan_for_capacity(d, t, capacity: Optional[int], **kw):
     return plan, replanner(d, resolved, **kw)
 
 
-_PLANNED_FIELDS = ("ttt_steps", "precision", "parallel", "gradient_checkpointing", "grad_accum", "batch_max_tokens")
+_PLANNED_FIELDS = ("ttt_steps", "precision", "parallel", "gradient_checkpointing", "grad_accum", "batch_max_tokens",
+                   "anchor_weight")
 
 
 def replanner(d, t, **kw):
@@ -310,6 +315,12 @@ def draft_config_from(cfg, target: dict):
     layers = int(target["num_hidden_layers"])
     info = SimpleNamespace(hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), text_config=text)
     aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, layers)
+    if cfg.train.init_from:  # 04 trains the init's architecture, in the draft vocab of train.init_vocab
+        from common.model.export import read_draft_config
+
+        init = read_draft_config(cfg.train.init_from)
+        vocab = init.draft_vocab_size if cfg.train.init_vocab == "own" else min(cfg.vocab.draft_vocab_size, info.vocab_size)
+        return dataclasses.replace(init, draft_vocab_size=vocab, aux_layer_ids=list(aux))
     return build_draft_config(cfg, info, cfg.vocab.draft_vocab_size, aux)
 
 

@@ -43,6 +43,7 @@ class StepSettings:
     parallel: str = "ddp"  # ddp | fsdp (with more than one process)
     compile: bool = False
     compile_backend: str = "inductor"  # tests: "aot_eager" (dynamo + AOT autograd, no kernels generated)
+    anchor_weight: float = 0.0  # L2-SP lambda towards the weights at set_anchor() (train.anchor_weight); 0 = off
 
 
 @dataclass
@@ -50,6 +51,7 @@ class StepResult:
     outputs: list[tuple[TTTOutput, bool, int]] = field(default_factory=list)  # per micro-batch: output, real, tokens
     grad_norm: float = float("nan")
     applied: bool = False  # False: the gradient was not finite and nothing was updated
+    anchor_loss: float = 0.0  # lambda * sum((w - w_anchor)^2) at the weights the gradient was taken at
 
 
 class ComputeCopy:
@@ -105,6 +107,28 @@ class TrainStep:
         self.optimizer = make_optimizer(draft)
         self.world_size = env.world_size if env is not None else 1
         self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.anchor: Optional[list[torch.Tensor]] = None  # set_anchor()
+
+    @torch.no_grad()
+    def set_anchor(self) -> None:
+        """Anchor the weights to their values now (04: the init's): with anchor_weight > 0 every step adds the
+        gradient of anchor_weight * sum((w - w_anchor)^2). An fp32 copy of the masters (FSDP: of this rank's shards)."""
+        self.anchor = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def add_anchor_gradient(self) -> float:
+        """Add 2 lambda (w - w_anchor) to the masters' gradients, once per optimizer step, after the micro-batches'
+        gradients are accumulated and all-reduced: the same on every rank, whatever the split into ranks and
+        micro-batches (a loss term would be scaled by each micro-batch's weight). Returns the penalty."""
+        for p in self.params:
+            if p.grad is None:  # no loss reached it this step: the anchor still does
+                p.grad = torch.zeros_like(p)
+        # foreach: a few kernels for all the weights, not three per weight (the step is host-bound on GPUs)
+        drift = torch._foreach_sub(self.params, self.anchor)
+        torch._foreach_add_([p.grad for p in self.params], drift, alpha=2 * self.s.anchor_weight)
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(drift)))
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total  # FSDP: over every rank's shards
+        return self.s.anchor_weight * float(total) ** 2
 
     def autocast(self):
         if self.s.dtype == torch.float32:
@@ -152,6 +176,8 @@ class TrainStep:
             result.outputs.append((out, real, mb.num_tokens))
         if self.copy is not None:
             self.copy.grads_to_master()
+        if self.anchor is not None and self.s.anchor_weight > 0:  # before clipping: clipped as part of the loss's gradient
+            result.anchor_loss = self.add_anchor_gradient()
         clip = self.s.grad_clip if self.s.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         result.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

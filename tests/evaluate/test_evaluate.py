@@ -20,6 +20,7 @@ from common.evaluate import stage as evaluate
 from common.core.config import config_from_dict
 from common.core.errors import DataError, PipelineError
 from common.evaluate.plots import plot_report, training_curves
+from common.evaluate.prompt_sets import held_out_set, load_prompt_set
 from common.serving.vllm_server import metrics_delta, parse_prometheus, scrape_metrics, spec_decode_metrics
 from tests.helpers import FakeVllm, LocalHttpServer
 
@@ -221,7 +222,7 @@ def run_env(tmp_path, monkeypatch):
 
 
 def test_eval_prompts_are_the_eval_split_first_turn(run_env):
-    prompts = evaluate.load_eval_prompts(run_env.cfg)
+    prompts = held_out_set(run_env.cfg).prompts
     assert [p["id"] for p in prompts] == ["p1", "p3", "p5", "p7"]
     assert prompts[1]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "question 3"}]
 
@@ -329,7 +330,7 @@ def with_other(cfg, path) -> object:
 def test_other_prompts_are_measured_apart_and_baselined_on_the_generation_server(run_env, capsys):
     other = write_other_prompts(run_env.run.parent / "other.jsonl", ["plan a trip", "bake bread", "hello"])
     cfg = with_other(run_env.cfg, other)
-    assert [p["id"] for p in evaluate.load_other_prompts(cfg)] == ["o0", "o1", "o2"]
+    assert [p["id"] for p in load_prompt_set(cfg, "other").prompts] == ["o0", "o1", "o2"]
     assert evaluate.missing_baselines(cfg) == ["held_out", "other"]
     with FakeVllm(with_draft=False) as server:
         assert evaluate.run_stage(cfg, baseline_only=True, base_url=server.base_url) == 0
@@ -341,26 +342,29 @@ def test_other_prompts_are_measured_apart_and_baselined_on_the_generation_server
     # held-out: 4 requests x (10 drafts, 9 accepted); other: 3 requests, scraped separately
     assert report["counters"]["num_drafts"] == 40 and report["num_prompts"] == 4
     o = report["other_prompts"]
-    assert o["path"] == str(other) and o["num_prompts"] == 3
+    assert o["path"] == o["source"] == str(other) and o["num_prompts"] == 3 and o["rows_read"] == 3
+    assert report["prompt_sets"] == {"other": {k: v for k, v in o.items() if k != "path"}}  # the same section
     assert o["counters"] == {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 27,
                              "num_accepted_tokens_per_pos": [15, 9, 3]}
     assert o["acceptance_length"] == pytest.approx(1.9) and o["outputs"]["identical"] == 3
     rows = [json.loads(line) for line in (run_env.run / "eval" / "outputs-other.jsonl").read_text().splitlines()]
     assert [r["with_draft"]["content"] for r in rows] == ["answer to plan a trip", "answer to bake bread", "answer to hello"]
-    assert "other-kind prompts: acceptance length 1.90, 3/3 identical" in capsys.readouterr().out
+    assert ("05_evaluate: prompt set other (3 prompts): acceptance length 1.90 (k=3) | per-position 0.50/0.30/0.10"
+            in capsys.readouterr().out)
     # Dropping the other set changes the report key: measured again.
     assert evaluate.run_stage(run_env.cfg) == 0
-    assert json.loads((run_env.run / "eval" / "report.json").read_text())["other_prompts"] is None
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    assert report["other_prompts"] is None and report["prompt_sets"] == {}
 
 
 def test_other_prompts_must_exist_and_stay_apart_from_training(run_env):
     cfg = with_other(run_env.cfg, run_env.run.parent / "missing.jsonl")
-    with pytest.raises(DataError, match="evaluate.other_prompts file not found: .*make_sample_data.py --other"):
-        evaluate.load_other_prompts(cfg)
+    with pytest.raises(DataError, match="evaluate.other_prompts file not found: .*missing.jsonl; check evaluate.other_prompts "):
+        load_prompt_set(cfg, "other")
     # "question 2" is a train-split prompt of the run
     cfg = with_other(run_env.cfg, write_other_prompts(run_env.run.parent / "o.jsonl", ["new topic", "question 2"]))
     with pytest.raises(DataError, match="shares 1 prompt.* with the training data .first: o1."):
-        evaluate.load_other_prompts(cfg)
+        load_prompt_set(cfg, "other")
 
 
 def test_shipped_other_prompts_are_another_kind_than_the_sample_prompts():

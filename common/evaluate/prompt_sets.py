@@ -1,0 +1,203 @@
+"""05's prompt sets: the held-out prompts of the run, evaluate.other_prompts, and evaluate.prompt_sets.
+
+A prompt set is read with 01's reader (common.core.sources: a local .json/.jsonl/.parquet file or a
+directory of them, or a `datasets` hub name) in the shapes benchmarks publish, and 05 sends each row's
+first user turn (what the held-out set sends too: the later turns would need the target's own answers):
+
+    messages / conversations   chat rows (OpenAI, ShareGPT): the system turn and the first user turn
+    turns                      MT-bench (FastChat's question.jsonl): the first turn
+    prompt                     HumanEval, plain prompts; a list of turns (HuggingFaceH4/mt_bench_prompts): the first
+    question                   GSM8K
+    problem                    MATH, MATH500
+    text                       plain text
+
+A row of none of these shapes is counted (report: "rows_skipped", by reason), not an error; a set with
+no usable row is. Every set but the held-out one measures prompts the draft was not trained on, so a
+set that shares a prompt with the training split is refused.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from common.core.config import Config
+from common.core.errors import DataError
+from common.core.io import iter_jsonl
+from common.core.run_folder import HELD_OUT, OTHER, Layout
+from common.core.sources import BadFields, iter_source, keep_prompt, row_messages
+
+PROMPT_FIELDS = ("turns", "prompt", "question", "problem", "text")  # in this order, after messages/conversations
+ID_FIELDS = ("id", "question_id", "task_id", "prompt_id", "unique_id")
+SHAPES = ("messages or conversations with a user turn, turns (MT-bench), prompt (HumanEval), question (GSM8K), "
+          "problem (MATH) or text")
+
+
+@dataclass
+class PromptSet:
+    """One set of prompts 05 measures: {"id", "messages"} rows, and where they came from."""
+
+    name: str
+    key: str  # the config key that names it, for the messages
+    source: str
+    prompts: list[dict]
+    rows_read: int = 0
+    rows_skipped: dict = field(default_factory=dict)  # {reason: count}
+    first_skipped: Optional[str] = None  # where the first skipped row is
+
+    def describe(self) -> dict:
+        """Its part of the report, beside the measurements."""
+        return {"source": self.source, "rows_read": self.rows_read, "rows_skipped": self.rows_skipped,
+                **({"first_skipped": self.first_skipped} if self.first_skipped else {})}
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+def first_user_turn(row: dict) -> list[dict]:
+    """System turns and the first user turn of a data/prompts.jsonl row; [] when there is no user turn.
+
+    Multi-turn prompts carry only user turns (01_prepare_data drops the assistant ones), so
+    the first turn is the only one that can be sent without the target's own answers.
+    """
+    messages = []
+    for m in row.get("messages") or []:
+        if not isinstance(m, dict) or m.get("role") == "assistant":
+            continue
+        messages.append({"role": m.get("role"), "content": m.get("content")})
+        if m.get("role") == "user":
+            break
+    return messages if messages and messages[-1]["role"] == "user" else []
+
+
+def benchmark_messages(row: Any) -> tuple[Optional[list[dict]], str]:
+    """A benchmark row's prompt as messages (system? + the first user turn) and "", or (None, why not)."""
+    if not isinstance(row, dict):
+        return None, "bad_fields"
+    if row.get("messages") is not None or row.get("conversations") is not None:
+        return _chat_prompt(row)
+    value = next((row[f] for f in PROMPT_FIELDS if row.get(f) is not None), None)
+    if isinstance(value, list) and value and isinstance(value[0], dict):  # a prompt given as chat messages
+        return _chat_prompt({"messages": value})
+    if isinstance(value, list):  # MT-bench's turns: the first one
+        value = value[0] if value else ""
+    if value is None:
+        return None, "no_prompt_field"
+    if not isinstance(value, str):
+        return None, "bad_fields"
+    if not value.strip():
+        return None, "empty"
+    return [{"role": "user", "content": value}], ""
+
+
+def _chat_prompt(row: dict) -> tuple[Optional[list[dict]], str]:
+    """A chat row's system turn and first user turn, by 01's rules (common.core.sources)."""
+    try:
+        kept, reason = keep_prompt(row_messages(row), None, 1)
+    except BadFields:
+        return None, "bad_fields"
+    return kept, reason or ""
+
+
+def _row_id(row: dict) -> Optional[str]:
+    value = next((row[f] for f in ID_FIELDS if row.get(f) is not None), None)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return None
+    return str(value).strip() or None
+
+
+# ----------------------------------------------------------------------------- one set
+
+
+def read_prompt_set(name: str, key: str, spec: dict, limit: int) -> PromptSet:
+    """The first `limit` usable prompts of a source (spec: {"source", "subset", "split"}); ids are the rows' own
+    (id, question_id, task_id, ...) when every used row has a distinct one, else NAME-ROW."""
+    rows, skipped, first_skipped, n_read = [], Counter(), None, 0
+    for where, row, reason, _ in iter_source(spec["source"], spec["subset"], spec["split"], key):
+        n_read += 1
+        messages, reason = (None, reason) if reason else benchmark_messages(row)
+        if messages is None:
+            skipped[reason] += 1
+            first_skipped = first_skipped or f"{where} ({reason})"
+            continue
+        rows.append((n_read, _row_id(row), messages))
+        if len(rows) >= limit:
+            break
+    if not rows:
+        why = ", ".join(f"{r} {n}" for r, n in skipped.most_common()) or "the source is empty"
+        raise DataError(f"{key} ({spec['source']}) has no usable prompt ({n_read} rows read; skipped: {why}"
+                        f"{f'; first: {first_skipped}' if first_skipped else ''}); each row needs {SHAPES}")
+    ids = [rid for _, rid, _ in rows]
+    if None in ids or len(set(ids)) < len(ids):
+        ids = [f"{name}-{n}" for n, _, _ in rows]
+    return PromptSet(name, key, spec["source"], [{"id": i, "messages": m} for i, (_, _, m) in zip(ids, rows)], n_read,
+                     dict(skipped), first_skipped)
+
+
+def held_out_set(cfg: Config) -> PromptSet:
+    """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn."""
+    path = Layout.of(cfg).prompts
+    if not path.is_file():
+        raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
+    prompts, n_read = [], 0
+    for row in iter_jsonl(path):
+        n_read += 1
+        if row.get("split") != "eval":
+            continue
+        messages = first_user_turn(row)
+        if messages:
+            prompts.append({"id": row["id"], "messages": messages})
+        if len(prompts) >= cfg.evaluate.num_prompts:
+            break
+    if not prompts:
+        raise DataError(
+            f"{path} has no eval-split prompts; set data.eval_fraction > 0 and rerun 01_prepare_data.py --overwrite"
+        )
+    return PromptSet(HELD_OUT, "the eval split", str(path), prompts, n_read)
+
+
+def configured_sets(cfg: Config) -> dict[str, tuple[str, dict]]:
+    """{name: (config key, {"source", "subset", "split"})} of every set besides the held-out one."""
+    e = cfg.evaluate
+    other = {OTHER: ("evaluate.other_prompts", {"source": e.other_prompts, "subset": None, "split": "test"})} if e.other_prompts else {}
+    return other | {name: (f"evaluate.prompt_sets.{name}", spec) for name, spec in e.prompt_set_specs().items()}
+
+
+def load_prompt_set(cfg: Config, name: str, trained: Optional[set[str]] = None) -> PromptSet:
+    """One set by name (HELD_OUT, OTHER or an evaluate.prompt_sets name), checked against the training prompts."""
+    if name == HELD_OUT:
+        return held_out_set(cfg)
+    key, spec = configured_sets(cfg)[name]
+    prompt_set = read_prompt_set(name, key, spec, cfg.evaluate.num_prompts)
+    refuse_training_prompts(prompt_set, training_texts(cfg) if trained is None else trained)
+    return prompt_set
+
+
+def load_prompt_sets(cfg: Config) -> dict[str, PromptSet]:
+    """The held-out set first, then evaluate.other_prompts ("other"), then evaluate.prompt_sets in name order."""
+    trained = training_texts(cfg)
+    return {name: load_prompt_set(cfg, name, trained) for name in (HELD_OUT, *configured_sets(cfg))}
+
+
+# ----------------------------------------------------------------------------- kept apart from training
+
+
+def _user_text(messages: list[dict]) -> str:
+    return next(m["content"] for m in messages if m["role"] == "user")
+
+
+def training_texts(cfg: Config) -> set[str]:
+    """The first user turn of every train-split prompt of the run (none before 01 ran)."""
+    path = Layout.of(cfg).prompts
+    if not path.is_file():
+        return set()
+    return {_user_text(m) for r in iter_jsonl(path) if r.get("split") == "train" and (m := first_user_turn(r))}
+
+
+def refuse_training_prompts(prompt_set: PromptSet, trained: set[str]) -> None:
+    """A set measures prompts the draft never trained on: one that shares a prompt with the training split is refused."""
+    shared = [p["id"] for p in prompt_set.prompts if _user_text(p["messages"]) in trained]
+    if shared:
+        raise DataError(f"{prompt_set.key} {prompt_set.source} shares {len(shared)} prompt(s) with the training data "
+                        f"(first: {shared[0]}); the set must be kept apart from data.source")

@@ -1,0 +1,187 @@
+"""train.init_from: 04 starts from a vLLM-format EAGLE-3 draft, another run's export or a published one for
+this target, instead of random weights (docs/design.md#starting-from-a-published-draft).
+
+    init = InitDraft.read(cfg, info, aux_layer_ids, d2t, t2d, layout, env)  # Trainer.__init__: every check,
+                                                                            # before anything is written
+    init.draft_cfg, init.d2t, init.t2d   # what 04 trains: the init's architecture, the vocab of train.init_vocab
+    init.load_into(draft)                # build_model: its weights over the fresh draft (a resume's checkpoint
+                                         # is loaded over them next)
+
+The draft's architecture comes from the init's config.json; a `draft.*` key left at its default takes the
+init's value, one set to anything else must agree with it. The vocabulary (train.init_vocab): `own` keeps
+the init's draft vocab (its d2t; without one, target ids 0..V_d-1, as vLLM reads such a draft), `remap`
+trains on 03's and carries over the init's lm_head rows of the tokens both vocabularies hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from common.core.config import DraftConfig
+from common.core.distributed import DistEnv, broadcast_object
+from common.core.errors import ConfigError, DataError, PipelineError
+from common.core.run_folder import Layout
+from common.model.draft import DraftModelConfig, draft_rope_scaling
+from common.model.export import CONFIG_NAME, check_draft_tensors, draft_weight_files, read_draft_config, read_draft_tensors
+from common.target.loading import load_target_tensors, target_fingerprint
+
+# The config.json architectures of the Llama EAGLE-3 draft that vLLM's llama_eagle3.py serves and this
+# pipeline trains (the speculators format names its own); others (an MLA draft, Qwen3's) have other layers.
+LLAMA_EAGLE3 = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"}
+# DraftConfig keys -> DraftModelConfig fields they set (rope_scaling is compared resolved)
+_DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "num_hidden_layers", "rope_theta", "rms_norm_eps", "norm_before_residual", "max_position_embeddings")
+
+
+@dataclasses.dataclass
+class InitDraft:
+    path: Path
+    mode: str  # train.init_vocab: own | remap
+    config: DraftModelConfig  # the init's own
+    draft_cfg: DraftModelConfig  # what 04 trains: the init's architecture with the draft vocab of `mode`
+    d2t: torch.Tensor  # the vocab map 04 trains with (the init's, or 03's)
+    t2d: torch.Tensor
+    init_ids: torch.Tensor  # [V_d of the init] the target id of each of the init's lm_head rows
+    has_d2t: bool  # whether the init's weights hold d2t (else its draft ids are target ids 0..V_d-1)
+    shared: int  # tokens in both the init's draft vocab and 03's
+    fingerprint: str  # of its config.json and weights, by content
+
+    @classmethod
+    def read(cls, cfg, info, aux_layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, layout: Layout,
+             env: DistEnv) -> "InitDraft":
+        """The init in cfg.train.init_from, checked against this target, hidden/'s aux layers and the config's
+        draft.* keys: ConfigError (one line listing every mismatch) or DataError (unreadable files)."""
+        t = cfg.train
+        path = Path(t.init_from)
+        if not (path / CONFIG_NAME).is_file():
+            raise ConfigError(f"train.init_from {path} is not a draft directory (no {CONFIG_NAME}); give a vLLM-format "
+                              f"EAGLE-3 draft (config.json + *.safetensors), e.g. another run's train/final")
+        config = read_draft_config(path)
+        raw = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+        shapes = read_draft_tensors(path, shapes_only=True)
+        problems = _architecture_problems(raw) + _target_problems(config, info, aux_layer_ids)
+        problems += _draft_key_problems(cfg, config, info)
+        if not problems and "embed_tokens.weight" in shapes:
+            problems += _on_main(env, lambda: _embedding_problems(path, cfg.target.model))
+        if problems:
+            raise ConfigError(f"train.init_from {path} does not fit this run: {'; '.join(problems)}; use a draft trained "
+                              f"for this target (hidden size {info.hidden_size}, vocab {info.vocab_size}, aux layers "
+                              f"{list(aux_layer_ids)}), or set train.init_from: null")
+        # vLLM loads a draft without d2t too: its draft_id_to_target_id stays zeros (draft id i = target id i)
+        check_draft_tensors(shapes, config, draft_weight_files(path)[0], optional={"d2t", "t2d"})
+        has_d2t = "d2t" in shapes
+        init_ids = torch.arange(config.draft_vocab_size)
+        if has_d2t:
+            init_ids = init_ids + read_draft_tensors(path, names={"d2t"})["d2t"].long()
+        if init_ids.min() < 0 or init_ids.max() >= info.vocab_size or init_ids.unique().numel() != init_ids.numel():
+            raise DataError(f"train.init_from {path}: its d2t maps draft ids outside the target vocab of {info.vocab_size} "
+                            f"or two onto one target id; the draft is damaged: re-export or re-download it")
+        shared = int(t2d[init_ids].sum())
+        if t.init_vocab == "own":
+            init_t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
+            init_t2d[init_ids] = True
+            d2t, t2d = init_ids - torch.arange(init_ids.numel()), init_t2d
+        draft_cfg = dataclasses.replace(config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(aux_layer_ids))
+        fingerprint = _on_main(env, lambda: target_fingerprint(layout, str(path)))
+        return cls(path, t.init_vocab, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint)
+
+    @property
+    def identity(self) -> dict:
+        """What a checkpoint trained from this init depends on (04's resume fingerprint): its content and the mode."""
+        return {"weights": self.fingerprint, "vocab": self.mode}
+
+    @torch.no_grad()
+    def load_into(self, draft) -> str:
+        """The init's weights into `draft` (built from draft_cfg, its vocab map set, lm_head initialised as
+        train.init_lm_head says): every tensor; lm_head whole (own) or the rows of the shared tokens (remap).
+        Returns the line 04 prints: which vocabulary, and how many rows were carried over."""
+        weights = read_draft_tensors(self.path)
+        own = draft.state_dict()  # tensors sharing the draft's storage
+        head = weights.pop("lm_head.weight")
+        for name, tensor in weights.items():
+            if name not in ("d2t", "t2d") and not name.startswith("embed_tokens."):  # the map is set, the embedding the target's
+                own[name].copy_(tensor)
+        where = f"04_train: init_from {self.path}"
+        if self.mode == "own":
+            draft.lm_head.weight.copy_(head)
+            vocab = "its d2t" if self.has_d2t else f"no d2t: target ids 0..{self.init_ids.numel() - 1}, as vLLM reads it"
+            return (f"{where}: its own draft vocab kept ({self.init_ids.numel()} tokens, {vocab}; vocab/vocab_map.safetensors "
+                    f"is not used, {self.shared} of its tokens are in it); all {self.init_ids.numel()} lm_head rows "
+                    f"carried over")
+        row_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long)  # target id -> the init's lm_head row
+        row_of[self.init_ids] = torch.arange(self.init_ids.numel())
+        rows = row_of[draft.draft_vocab_target_ids().cpu()]
+        carried = rows >= 0
+        draft.lm_head.weight[carried.to(draft.lm_head.weight.device)] = head[rows[carried]].to(draft.lm_head.weight)
+        n, total = int(carried.sum()), rows.numel()
+        return (f"{where}: remapped onto 03's draft vocab ({total} tokens): {n} lm_head rows carried over (the tokens both "
+                f"vocabularies hold), {total - n} start as train.init_lm_head says")
+
+
+def _on_main(env: DistEnv, fn):
+    """fn() on rank 0 (reading or hashing big files once), its result or its error on every rank."""
+    result = None
+    if env.is_main:
+        try:
+            result = fn()
+        except PipelineError as e:
+            result = e
+    result = broadcast_object(result, env)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _architecture_problems(raw: dict) -> list[str]:
+    """An EAGLE-3 draft of another architecture than the Llama one this pipeline trains."""
+    problems = []
+    archs = [a for a in raw.get("architectures") or [] if a not in LLAMA_EAGLE3]
+    if archs:
+        problems.append(f"its architecture {archs} is not the Llama EAGLE-3 draft this pipeline trains ({sorted(LLAMA_EAGLE3)})")
+    extra = [k for k in ("norm_before_fc", "fc_norm") if raw.get(k)]
+    if extra:
+        problems.append(f"it sets {', '.join(extra)}, a norm before fc that this pipeline's draft does not have")
+    return problems
+
+
+def _target_problems(config: DraftModelConfig, info, aux_layer_ids: list[int]) -> list[str]:
+    problems = []
+    if config.target_hidden_size != info.hidden_size:
+        problems.append(f"it reads target hidden states of size {config.target_hidden_size}, this target's are {info.hidden_size}")
+    if config.hidden_size != info.hidden_size:
+        problems.append(f"its hidden_size is {config.hidden_size}, not the target's {info.hidden_size} (the draft reads the "
+                        f"target's token embedding)")
+    if config.vocab_size != info.vocab_size:
+        problems.append(f"its vocab_size is {config.vocab_size}, this target's vocab is {info.vocab_size}")
+    if list(config.aux_layer_ids) != list(aux_layer_ids):
+        problems.append(f"it reads aux layers {list(config.aux_layer_ids)}, hidden/ holds layers {list(aux_layer_ids)} "
+                        f"(set target.aux_layer_ids to its ids and rerun 02_extract_hidden.py --overwrite to train it)")
+    return problems
+
+
+def _draft_key_problems(cfg, config: DraftModelConfig, info) -> list[str]:
+    """draft.* keys set to something else than their default and than the init's value (the init's architecture
+    is what 04 trains: a conflicting key is a mistake, not a wish to resize it)."""
+    default = DraftConfig()
+    problems = [f"draft.{key}={getattr(cfg.draft, key)} but the init has {getattr(config, key)}" for key in _DRAFT_KEYS
+                if getattr(cfg.draft, key) != getattr(default, key) and getattr(cfg.draft, key) != getattr(config, key)]
+    if cfg.draft.rope_scaling is not None:  # compared resolved: "target" is the target's scaling
+        asked = draft_rope_scaling(cfg.draft.rope_scaling, info.text_config)
+        theirs = draft_rope_scaling(config.rope_scaling, info.text_config) if config.rope_scaling else None
+        if asked != theirs:
+            problems.append(f"draft.rope_scaling resolves to {asked} but the init has {theirs}")
+    return [p + " (leave draft.* unset: the init's architecture is trained)" for p in problems]
+
+
+def _embedding_problems(path: Path, target_model: str) -> list[str]:
+    """A draft that carries its own embed_tokens (the speculators format does) carries its target's: vLLM serves
+    it with that one unless it equals this target's, so another one means another target."""
+    theirs = read_draft_tensors(path, names={"embed_tokens.weight"})["embed_tokens.weight"]
+    ours = load_target_tensors(target_model, kinds=("embed",))["embed"]
+    if theirs.shape == ours.shape and torch.equal(theirs, ours.to(theirs.dtype)):
+        return []
+    return [f"its embed_tokens differ from target.model's embedding (a draft of another target or revision)"]
