@@ -184,4 +184,4 @@ def _embedding_problems(path: Path, target_model: str) -> list[str]:
     ours = load_target_tensors(target_model, kinds=("embed",))["embed"]
     if theirs.shape == ours.shape and torch.equal(theirs, ours.to(theirs.dtype)):
         return []
-    return [f"its embed_tokens differ from target.model's embedding (a draft of another target or revision)"]
+    return ["its embed_tokens differ from target.model's embedding (a draft of another target or revision)"]
