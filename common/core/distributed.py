@@ -86,6 +86,25 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+def on_rank0(fn, env: DistEnv):
+    """fn() on rank 0 alone (a decision, or reading and hashing big files once), its result on every rank; its
+    PipelineError raised on every rank, so each prints the one error line instead of waiting in a collective."""
+    from common.core.errors import PipelineError
+
+    if not env.distributed:
+        return fn()
+    outcome = None
+    if env.is_main:
+        try:
+            outcome = ("result", fn())
+        except PipelineError as e:
+            outcome = ("error", e)
+    kind, value = broadcast_object(outcome, env)
+    if kind == "error":
+        raise value
+    return value
+
+
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """The elementwise sum of `t` over ranks, on t's device (nccl reduces on the GPU, gloo on CPU)."""
     if not env.distributed:

@@ -86,7 +86,7 @@ from tqdm import tqdm
 
 from common.target.loading import target_fingerprint
 from common.target.tokenization import check_token_range, parse_tokenized_line
-from common.core.errors import ConfigError, DataError, PipelineError
+from common.core.errors import ConfigError, DataError
 from common.core.io import atomic_write_text, bytes_bar, file_sha256, format_bytes, read_json
 from common.core.run_folder import Layout, StageManifest, remember_fingerprint
 from common.hidden.stream import StreamWait
@@ -648,7 +648,7 @@ def check_disk_for(cfg, layout: Layout, plan: dict, header: dict, todo: list[str
 
 def run_extraction(cfg, overwrite: bool = False) -> dict:
     """Extract all planned shards (this rank's share under torchrun). Returns a summary dict."""
-    from common.core.distributed import barrier, close_distributed, init_distributed
+    from common.core.distributed import barrier, close_distributed, init_distributed, on_rank0
     from common.target.loading import load_target_info, torch_dtype
 
     layout = Layout.of(cfg)
@@ -745,23 +745,6 @@ def record_result(cfg, info, index: dict, outcome: str) -> None:
         manifest.complete(result, outcome=outcome)
     else:
         manifest.partial(result, outcome=outcome)
-
-
-def on_rank0(decide: Callable[[], dict], env: DistEnv) -> dict:
-    """decide() on rank 0, its result on every rank; its error (one line) raised on every rank."""
-    from common.core.distributed import broadcast_object
-
-    try:
-        result = decide() if env.is_main else None
-    except PipelineError as e:
-        if not env.distributed:
-            raise
-        result = f"{type(e).__name__}:{e}"
-    result = broadcast_object(result, env)
-    if isinstance(result, str):
-        kind, msg = result.split(":", 1)
-        raise {"ConfigError": ConfigError, "DataError": DataError}.get(kind, PipelineError)(msg)
-    return result
 
 
 def next_in_stream(cfg, layout: Layout, plan: dict, header: dict, wait: StreamWait) -> dict:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from common.core.config import DraftConfig
-from common.core.distributed import DistEnv, broadcast_object
-from common.core.errors import ConfigError, DataError, PipelineError
+from common.core.distributed import DistEnv, on_rank0
+from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout
 from common.model.draft import DraftModelConfig, draft_rope_scaling
 from common.model.export import CONFIG_NAME, check_draft_tensors, draft_weight_files, read_draft_config, read_draft_tensors
@@ -66,7 +66,7 @@ class InitDraft:
         problems = _architecture_problems(raw) + _target_problems(config, info, aux_layer_ids)
         problems += _draft_key_problems(cfg, config, info)
         if not problems and "embed_tokens.weight" in shapes:
-            problems += _on_main(env, lambda: _embedding_problems(path, cfg.target.model))
+            problems += on_rank0(lambda: _embedding_problems(path, cfg.target.model), env)
         if problems:
             raise ConfigError(f"train.init_from {path} does not fit this run: {'; '.join(problems)}; use a draft trained "
                               f"for this target (hidden size {info.hidden_size}, vocab {info.vocab_size}, aux layers "
@@ -86,7 +86,7 @@ class InitDraft:
             init_t2d[init_ids] = True
             d2t, t2d = init_ids - torch.arange(init_ids.numel()), init_t2d
         draft_cfg = dataclasses.replace(config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(aux_layer_ids))
-        fingerprint = _on_main(env, lambda: target_fingerprint(layout, str(path)))
+        fingerprint = on_rank0(lambda: target_fingerprint(layout, str(path)), env)
         return cls(path, t.init_vocab, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint)
 
     @property
@@ -120,20 +120,6 @@ class InitDraft:
         n, total = int(carried.sum()), rows.numel()
         return (f"{where}: remapped onto 03's draft vocab ({total} tokens): {n} lm_head rows carried over (the tokens both "
                 f"vocabularies hold), {total - n} start as train.init_lm_head says")
-
-
-def _on_main(env: DistEnv, fn):
-    """fn() on rank 0 (reading or hashing big files once), its result or its error on every rank."""
-    result = None
-    if env.is_main:
-        try:
-            result = fn()
-        except PipelineError as e:
-            result = e
-    result = broadcast_object(result, env)
-    if isinstance(result, Exception):
-        raise result
-    return result
 
 
 def _architecture_problems(raw: dict) -> list[str]:

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from common.model.acceptance import describe as describe_acceptance
 from common.train.checkpoint import clean_train_dir, load_latest, save_checkpoint, truncate_metrics
 from common.core.distributed import (DistEnv, NamedSums, barrier, broadcast_object, close_distributed, init_distributed,
-                                wrap_parallel)
+                                     on_rank0, wrap_parallel)
 from common.train.offline_eval import evaluate
 from common.model.draft import Eagle3DraftModel, build_draft_config
 from common.model.draft_vocab import load_vocab_map
@@ -138,7 +138,7 @@ class Trainer:
         recorded = self.index.raw.get("target_weights")  # rank 0 hashes (cached by size and mtime), the others get it
         if recorded:
             check_safetensors_readable(cfg.target.model)  # a damaged file is named as such, not as "other weights"
-        current = broadcast_object(target_fingerprint(layout, cfg.target.model) if env.is_main else None, env)
+        current = on_rank0(lambda: target_fingerprint(layout, cfg.target.model), env)
         # the target as 04's outputs depend on it: its content (the same weights at another path are the
         # same target), or the hub id when it is not a local folder
         self.target_id = current or cfg.target.model
@@ -154,7 +154,7 @@ class Trainer:
                 f"{self.info.hidden_size}; they come from another model: rerun 02_extract_hidden.py --overwrite"
             )
         self.d2t, self.t2d = load_vocab_map(layout.vocab_map, self.info.vocab_size, cfg.vocab.draft_vocab_size)
-        self.inputs_at_start = broadcast_object(self.inputs_identity() if env.is_main else None, env)
+        self.inputs_at_start = on_rank0(self.inputs_identity, env)
         # train.init_from: the init's architecture and the vocab map of train.init_vocab (common.train.init_from)
         self.init = InitDraft.read(cfg, self.info, self.index.aux_layer_ids, self.d2t, self.t2d, layout, env) \
             if cfg.train.init_from else None
@@ -553,7 +553,7 @@ class Trainer:
     def check_inputs_unchanged(self) -> None:
         """Stop without saving or exporting when hidden/ or vocab/ changed since this run started (another
         stage rewrote them): the steps since the last check trained on two generations of inputs."""
-        now = broadcast_object(self.inputs_identity() if self.env.is_main else None, self.env)
+        now = on_rank0(self.inputs_identity, self.env)
         changed = [name for name, digest in self.inputs_at_start.items() if now.get(name) != digest]
         if not changed:
             return
@@ -578,39 +578,35 @@ class Trainer:
         """"complete", "resume" or "fresh", from train/'s stage manifest (rank 0 decides, every rank
         gets the answer). Outputs made from another hidden/ or vocab/, or another draft, data order
         or packing, are an error that asks for --overwrite: never a stale train/final."""
-        decision = None
-        if self.env.is_main:
-            try:
-                if overwrite:
-                    clean_train_dir(self.layout)
-                    if self.plan is not None:  # training starts over: 02 extracts the rounds again from the first
-                        write_consumed(self.layout.hidden_consumed, [])
-                layout = self.layout
-                self.manifest = StageManifest(
-                    # rounds mode: the plan, since index.json grows with every round 02 extracts
-                    layout, "04_train", inputs={**layout.named(layout.hidden_index if self.plan is None else layout.hidden_plan,
-                                                               layout.vocab_map),
-                                                **({"train.init_from": self.init.fingerprint} if self.init else {})},
-                    settings={"target": self.target_id, "draft": dataclasses.asdict(self.draft_cfg),
-                              "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed,
-                              **({"init_vocab": self.init.mode} if self.init else {})},
-                    replaced={"target_model": "target"})  # recorded by path before
-                decision = self.manifest.begin(overwrite, outputs=[layout.final],
-                                               started=layout.final.exists() or layout.checkpoints.exists())
-                done = int(self.manifest.result.get("steps", -1))
-                if decision == "complete" and done < self.total_steps:
-                    self.manifest.partial(self.manifest.result)  # more steps asked for: train on from the last checkpoint
-                    decision = "resume"
-                elif decision == "complete" and done > self.total_steps:
-                    raise ConfigError(
-                        f"{layout.final} holds a draft trained for {done} steps but this config trains {self.total_steps} "
-                        f"(train.max_steps={self.t.max_steps}); set train.max_steps back to {done} (or more, to train "
-                        f"on), or rerun with --overwrite to train a {self.total_steps}-step draft")
-            except PipelineError as e:
-                decision = e
-        decision = broadcast_object(decision, self.env)
-        if isinstance(decision, Exception):
-            raise decision
+        return on_rank0(lambda: self.decide_outputs(overwrite), self.env)
+
+    def decide_outputs(self, overwrite: bool) -> str:
+        """check_outputs on rank 0 (it alone writes under train/)."""
+        if overwrite:
+            clean_train_dir(self.layout)
+            if self.plan is not None:  # training starts over: 02 extracts the rounds again from the first
+                write_consumed(self.layout.hidden_consumed, [])
+        layout = self.layout
+        self.manifest = StageManifest(
+            # rounds mode: the plan, since index.json grows with every round 02 extracts
+            layout, "04_train", inputs={**layout.named(layout.hidden_index if self.plan is None else layout.hidden_plan,
+                                                       layout.vocab_map),
+                                        **({"train.init_from": self.init.fingerprint} if self.init else {})},
+            settings={"target": self.target_id, "draft": dataclasses.asdict(self.draft_cfg),
+                      "batch_max_tokens": self.t.batch_max_tokens, "seed": self.t.seed,
+                      **({"init_vocab": self.init.mode} if self.init else {})},
+            replaced={"target_model": "target"})  # recorded by path before
+        decision = self.manifest.begin(overwrite, outputs=[layout.final],
+                                       started=layout.final.exists() or layout.checkpoints.exists())
+        done = int(self.manifest.result.get("steps", -1))
+        if decision == "complete" and done < self.total_steps:
+            self.manifest.partial(self.manifest.result)  # more steps asked for: train on from the last checkpoint
+            decision = "resume"
+        elif decision == "complete" and done > self.total_steps:
+            raise ConfigError(
+                f"{layout.final} holds a draft trained for {done} steps but this config trains {self.total_steps} "
+                f"(train.max_steps={self.t.max_steps}); set train.max_steps back to {done} (or more, to train "
+                f"on), or rerun with --overwrite to train a {self.total_steps}-step draft")
         return decision
 
     def close_logs(self) -> None:

@@ -1,11 +1,12 @@
 """common.core.distributed in one process: every collective is the identity, and NamedSums keeps named
-sums in one fixed flat layout (what a checkpoint stores). The 2-process paths run in
-tests/train/test_train_ddp.py."""
+sums in one fixed flat layout (what a checkpoint stores); on_rank0 with two gloo processes. The 2-process
+training paths run in tests/train/test_train_ddp.py."""
 
 import pytest
 import torch
 
-from common.core.distributed import DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, init_distributed
+from common.core.distributed import DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, init_distributed, on_rank0
+from common.core.errors import DataError
 
 
 def test_single_process_environment_and_collectives(monkeypatch):
@@ -34,3 +35,53 @@ def test_named_sums_add_by_name_in_a_fixed_layout():
     assert restored.all_reduced(DistEnv())["step_correct"].tolist() == [4.0, 3.0, 1.0]
     with pytest.raises(ValueError, match="expected 5 sums"):
         restored.load_flat(torch.zeros(4))
+
+
+def _on_rank0_worker(rank: int, port: int, queue) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    env = DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    calls = []
+
+    def decide(value):
+        calls.append(rank)
+        if value is None:
+            raise DataError("the hash failed on rank 0")
+        return value
+
+    try:
+        result = on_rank0(lambda: decide({"sha": "abc"}), env)
+        try:
+            on_rank0(lambda: decide(None), env)
+            error = None
+        except DataError as e:  # every rank gets rank 0's error, none waits in a collective
+            error = str(e)
+        queue.put((rank, result, error, calls))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_rank0_runs_once_and_hands_every_rank_its_result_or_its_error():
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    assert on_rank0(lambda: 7, DistEnv()) == 7  # one process: a plain call
+    with pytest.raises(DataError, match="boom"):
+        on_rank0(lambda: (_ for _ in ()).throw(DataError("boom")), DistEnv())
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_on_rank0_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {rank: (result, error, calls) for rank, result, error, calls in (queue.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == ({"sha": "abc"}, "the hash failed on rank 0", [0, 0])
+    assert results[1] == ({"sha": "abc"}, "the hash failed on rank 0", [])  # rank 1 never ran it
