@@ -12,7 +12,7 @@ Each draft is then scored on both distributions by 04's offline replay of vLLM's
 length 05 measures, predicted within ~1% on the demo) at k = 3 on A's eval split (the init's
 distribution) and on B's eval split (the new one). Printed: mean, min and max over the seeds.
 
-    python bench/bench_init_from.py                            # seeds 0 1 2, 100 steps: ~25 min on 2 cores
+    python bench/bench_init_from.py                            # seeds 0 1 2, 100 steps: ~10 min on 2 cores
     python bench/bench_init_from.py --seeds 0 --steps 40 --root /tmp/eagle3-bench-init
 """
 
@@ -58,8 +58,9 @@ def build_runs(root: Path, other_prompts: int) -> tuple[Path, Path, Path]:
     if not source.is_file():  # another seed than data/other_prompts.jsonl's: not the prompts 05 measures as "other"
         write_jsonl_atomic(source, other_prompt_rows(other_prompts, seed=4321))
     if not (b / "vocab" / "vocab_map.safetensors").is_file():
+        # evaluate.other_prompts off: the demo's other-kind prompts are this run's training kind
         run(["run_pipeline.py", *base_sets(b, target), "--set", f"data.source={source}", "--set", "data.eval_fraction=0.2",
-             "--stop-after", "03_build_vocab_map"], root / "b.log")
+             "--set", "evaluate.other_prompts=null", "--stop-after", "03_build_vocab_map"], root / "b.log")
     return a, b, target
 
 
@@ -96,7 +97,7 @@ def replay_acceptance(draft_dir: Path, run_dir: Path, target: Path) -> float:
     weights = load_target_tensors(cfg.target.model)
     draft = load_exported_draft(draft_dir, embedding=weights["embed"].float())
     t = cfg.train
-    step = TrainStep(draft, weights["lm_head"].float(), lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay),
+    step = TrainStep(draft, weights["lm_head"].float(), lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=False),
                      StepSettings(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, grad_clip=t.grad_clip))
     index = HiddenIndex.load(Layout.of(cfg).hidden_index)
     data = TrainData(index, t.batch_max_tokens, t.seed, world_size=1, rank=0, grad_accum=1, dtype=torch.float32)
