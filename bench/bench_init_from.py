@@ -80,28 +80,11 @@ def train_variant(root: Path, b: Path, target: Path, name: str, seed: int, steps
 
 def replay_acceptance(draft_dir: Path, run_dir: Path, target: Path) -> float:
     """04's offline replay of vLLM's rounds for an exported draft on run_dir's eval split, at k = K."""
-    import torch
-
     from common.core.config import load_config
-    from common.core.distributed import DistEnv
-    from common.core.run_folder import Layout
-    from common.hidden.shards import HiddenIndex
-    from common.model.export import load_exported_draft
-    from common.target.loading import load_target_tensors
-    from common.train.data import TrainData
-    from common.train.offline_eval import evaluate
-    from common.train.optim import build_optimizer
-    from common.train.step import StepSettings, TrainStep
+    from common.train.offline_eval import evaluate_export
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run_dir={run_dir}", f"target.model={target}"])
-    weights = load_target_tensors(cfg.target.model)
-    draft = load_exported_draft(draft_dir, embedding=weights["embed"].float())
-    t = cfg.train
-    step = TrainStep(draft, weights["lm_head"].float(), lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=False),
-                     StepSettings(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, grad_clip=t.grad_clip))
-    index = HiddenIndex.load(Layout.of(cfg).hidden_index)
-    data = TrainData(index, t.batch_max_tokens, t.seed, world_size=1, rank=0, grad_accum=1, dtype=torch.float32)
-    return float(evaluate(step, index, data.reader, cfg, DistEnv())["replay"][str(K)]["acceptance_length"])
+    return float(evaluate_export(draft_dir, cfg)["replay"][str(K)]["acceptance_length"])
 
 
 def spread(values: list[float]) -> str:

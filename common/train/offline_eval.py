@@ -57,3 +57,23 @@ def evaluate(step_fn, index: HiddenIndex, reader, cfg, env: DistEnv) -> Optional
         "replay": replay.report(),  # the prediction of vLLM's acceptance (common.model.acceptance)
         "num_samples": len(index.split_indices("eval")),
     }
+
+
+def evaluate_export(draft_dir, cfg) -> Optional[dict]:
+    """evaluate() for an exported draft (any run's train/final, or a published one) on cfg's eval split, in one
+    CPU process and fp32: the prediction 04 would log for those weights."""
+    from common.core.run_folder import Layout
+    from common.model.export import load_exported_draft
+    from common.target.loading import load_target_tensors
+    from common.train.data import TrainData
+    from common.train.optim import build_optimizer
+    from common.train.step import StepSettings, TrainStep
+
+    t = cfg.train
+    target = load_target_tensors(cfg.target.model)
+    draft = load_exported_draft(draft_dir, embedding=target["embed"].float())
+    step = TrainStep(draft, target["lm_head"].float(), lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=False),
+                     StepSettings(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, grad_clip=t.grad_clip))
+    index = HiddenIndex.load(Layout.of(cfg).hidden_index)
+    data = TrainData(index, t.batch_max_tokens, t.seed, world_size=1, rank=0, grad_accum=1, dtype=torch.float32)
+    return evaluate(step, index, data.reader, cfg, DistEnv())

@@ -43,25 +43,9 @@ def init_dir(tmp_path_factory, hidden_run) -> Path:
 def eval_loss_of_export(draft_dir: Path, cfg_path: Path) -> float:
     """The eval-split loss of an exported draft, by 04's own step and offline eval (fp32, CPU)."""
     from common.core.config import load_config
-    from common.core.distributed import DistEnv
-    from common.core.run_folder import Layout
-    from common.hidden.shards import HiddenIndex
-    from common.model.export import load_exported_draft
-    from common.target.loading import load_target_tensors
-    from common.train.data import TrainData
-    from common.train.offline_eval import evaluate
-    from common.train.optim import build_optimizer
-    from common.train.step import StepSettings, TrainStep
+    from common.train.offline_eval import evaluate_export
 
-    cfg = load_config(cfg_path)
-    target = load_target_tensors(cfg.target.model)
-    draft = load_exported_draft(draft_dir, embedding=target["embed"].float())
-    t = cfg.train
-    step = TrainStep(draft, target["lm_head"].float(), lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=False),
-                     StepSettings(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, grad_clip=t.grad_clip))
-    index = HiddenIndex.load(Layout.of(cfg).hidden_index)
-    data = TrainData(index, t.batch_max_tokens, t.seed, world_size=1, rank=0, grad_accum=1, dtype=torch.float32)
-    return evaluate(step, index, data.reader, cfg, DistEnv())["loss"]
+    return evaluate_export(draft_dir, load_config(cfg_path))["loss"]
 
 
 # ============================================================================ own vocab: loaded, trained on, resumed
