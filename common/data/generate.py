@@ -474,12 +474,18 @@ def _unreachable(cfg: Config, exc: BaseException) -> PipelineError:
     )
 
 
+def check_timeout(g: GenerateConfig) -> float:
+    """The deadline of one of 01b's start-up calls (/v1/models, /tokenize, /metrics): generate.timeout_s, at most
+    30 s (a healthy server answers them at once; a generation request may take the whole timeout_s)."""
+    return min(g.timeout_s, 30.0)
+
+
 async def resolve_model(client, cfg: Config) -> str:
     """Check the server answers and pick the model: generate.model, or the first one it serves."""
     import openai
 
     g = cfg.generate
-    timeout = min(g.timeout_s, 30.0)
+    timeout = check_timeout(g)
     try:
         page = await client.with_options(timeout=timeout).models.list()
     except openai.APITimeoutError:
@@ -518,7 +524,7 @@ async def check_tokenizer_matches(client, cfg: Config, model: str, tokenizer) ->
 
     url = server_root(cfg.generate.base_url) + "/tokenize"
     try:
-        resp = await client.with_options(timeout=min(cfg.generate.timeout_s, 30.0)).post(
+        resp = await client.with_options(timeout=check_timeout(cfg.generate)).post(
             url, cast_to=object, body={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
         )
     except openai.APIStatusError as e:
@@ -897,7 +903,7 @@ def report_server_capacity(g: GenerateConfig, todo: list[dict], tokenizer, sampl
     generate.concurrency, and warn when the concurrency is far above it; returns the KV tokens (None when
     the server does not say: best effort, generation does not depend on it)."""
     try:
-        kv_tokens = kv_cache_tokens(scrape_metrics(g.base_url, timeout=min(g.timeout_s, 30.0), api_key=api_key(g)))
+        kv_tokens = kv_cache_tokens(scrape_metrics(g.base_url, timeout=check_timeout(g), api_key=api_key(g)))
     except PipelineError as e:
         log.info("not reporting the server's KV capacity: %s", e)
         return None
