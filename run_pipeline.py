@@ -45,6 +45,14 @@ class StageFailed(Exception):
         self.stage, self.code, self.log = stage, code, log
 
 
+def exit_code_of(stage_code: int) -> int:
+    """run_pipeline's exit code for a failed stage: the stage's own (130 for an interrupted stage, 2 for a
+    one-line error), or 128 + N for a stage killed by signal N, as a shell reports it."""
+    if stage_code < 0:
+        return 128 - stage_code
+    return stage_code or 1
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -400,7 +408,7 @@ class Pipeline:
         engine every round."""
         from common.core.errors import PipelineError
         from common.core.run_folder import read_manifest
-        from common.hidden.shards import read_consumed
+        from common.hidden.rounds import read_consumed
 
         self.stage("04_train", "04_train.py")
         if self.cfg.extract.stream:  # 04 waited for 02's rounds as they came
@@ -482,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     except StageFailed as e:
         print(f"\nrun_pipeline: {e}\nlast lines of the log:\n{log_tail(e.log)}", file=sys.stderr)
         print("fix the problem and rerun the same command: finished stages are skipped", file=sys.stderr)
-        return e.code if 0 < e.code < 128 else 1
+        return exit_code_of(e.code)
     except PipelineError as e:
         if pipeline is not None:
             print(f"run_pipeline: stopped in {pipeline.current}", file=sys.stderr)

@@ -17,7 +17,10 @@ counters that cross ranks in one all_reduce and checkpoint as one tensor).
 
 from __future__ import annotations
 
+import itertools
 import os
+import pickle
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,22 +89,42 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+_ON_RANK0_CALLS = itertools.count()  # every rank calls on_rank0 in the same order: the n-th call's key
+ON_RANK0_POLL_S = 0.2
+
+
 def on_rank0(fn, env: DistEnv):
     """fn() on rank 0 alone (a decision, or reading and hashing big files once), its result on every rank; its
-    PipelineError raised on every rank, so each prints the one error line instead of waiting in a collective."""
+    PipelineError raised on every rank, so each prints the one error line; any other exception on rank 0 is a
+    one-line PipelineError on the other ranks (rank 0 shows its traceback).
+
+    The outcome travels through the process group's key-value store, which the other ranks poll, not through a
+    collective: fn may take longer than the process group's timeout (a cold hash of Kimi-K2.5's ~595 GB of
+    weights) without tripping it. A rank 0 that dies takes the job down with it (torchrun stops the others)."""
     from common.core.errors import PipelineError
 
     if not env.distributed:
         return fn()
-    outcome = None
+    store = dist.distributed_c10d._get_default_store()
+    key = f"eagle3/on_rank0/{next(_ON_RANK0_CALLS)}"
     if env.is_main:
         try:
-            outcome = ("result", fn())
+            result = fn()
         except PipelineError as e:
-            outcome = ("error", e)
-    kind, value = broadcast_object(outcome, env)
+            store.set(key, pickle.dumps(("error", e)))
+            raise
+        except BaseException as e:
+            store.set(key, pickle.dumps(("crash", f"{type(e).__name__}: {e}")))
+            raise
+        store.set(key, pickle.dumps(("result", result)))
+        return result
+    while not store.check([key]):
+        time.sleep(ON_RANK0_POLL_S)
+    kind, value = pickle.loads(store.get(key))
     if kind == "error":
         raise value
+    if kind == "crash":
+        raise PipelineError(f"rank 0 failed ({value}); its traceback is in its output above")
     return value
 
 

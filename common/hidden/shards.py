@@ -30,10 +30,8 @@ What is here:
 - reading the index: read_entries (index.json + rank fragments, for 02's resume), check_format_version,
   HiddenIndex.load (04: complete, readable version, every shard's header checked) and ShardReader (samples'
   rows, lazily, via safetensors safe_open, fp8 states decoded);
-- rounds under a disk budget (plan.json "rounds", hidden/consumed.json): load_plan_rounds, round_files,
-  read_consumed, write_consumed, rounds_on_disk, and bookkeeping_bytes (what hidden/ holds besides the
-  shards, at most: it counts against extract.max_disk_gb too); hidden/'s JSON files are written compact
-  (write_json: they list every sample id);
+- hidden/'s JSON files are written compact (json_text, write_json: they list every sample id, and under a
+  disk budget they count against it); the rounds of plan.json and consumed.json are common.hidden.rounds';
 - verification: verify_entry (02's rerun: a reason or None) and verify_shard_files (04's start: one-line
   DataError).
 """
@@ -321,75 +319,6 @@ def read_entries(index_path: Path, fragment_paths: Iterable[Path] = ()) -> dict[
         for e in doc.get("shards", []):
             entries[e["file"]] = e
     return entries
-
-
-# ---------------------------------------------------------------------------------------------
-# Rounds under a disk budget (docs/design.md#rounds-under-a-disk-budget): plan.json's "rounds" list
-# which train shards form round r (and its epoch); 04 records the rounds it has trained on and deleted
-# in consumed.json, which 02 reads to know which round comes next.
-# ---------------------------------------------------------------------------------------------
-
-
-def load_plan_rounds(plan_path: Path) -> Optional[dict]:
-    """plan.json when 02 planned rounds (its "rounds", "max_disk_bytes", "eval_bytes" and the shards'
-    "round", "sample_ids", "lengths"), else None."""
-    if not plan_path.is_file():
-        return None
-    plan = read_json(plan_path)
-    check_format_version(plan, plan_path)
-    return plan if "rounds" in plan else None
-
-
-def round_files(plan: dict, r: int) -> list[str]:
-    """What round r trains from: its shards and the eval shards, in plan order."""
-    mine = set(plan["rounds"][r]["shards"])
-    return [s["file"] for s in plan["shards"] if s["file"] in mine or s["split"] != "train"]
-
-
-def read_consumed(path: Path) -> set[int]:
-    """The rounds 04 has trained on and deleted (Layout.hidden_consumed); none when the file is absent."""
-    if not path.is_file():
-        return set()
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return {int(r) for r in doc["rounds"]}
-    except (ValueError, KeyError, TypeError):
-        raise DataError(f"{path} is unreadable; it lists the rounds 04 has trained on: delete it and rerun 04_train.py "
-                        f"(it rewrites it from its checkpoint)") from None
-
-
-def write_consumed(path: Path, rounds: Iterable[int]) -> None:
-    write_json(path, {"rounds": sorted(set(rounds))})
-
-
-def rounds_on_disk(plan: dict, consumed: set[int]) -> list[int]:
-    """The rounds whose shards should be on disk now: the first one not consumed, and the ones after it
-    while they fit plan["max_disk_bytes"] together (the eval shards and the bookkeeping, plan["reserve_bytes"],
-    are part of every round's budget)."""
-    rounds, budget = plan["rounds"], plan["max_disk_bytes"]
-    pending = [r for r in range(len(rounds)) if r not in consumed]
-    if not pending:
-        return []
-    chosen, used = [pending[0]], plan["eval_bytes"] + plan.get("reserve_bytes", 0) + rounds[pending[0]]["bytes"]
-    for r in pending[1:]:
-        if r != chosen[-1] + 1 or used + rounds[r]["bytes"] > budget:
-            break
-        chosen.append(r)
-        used += rounds[r]["bytes"]
-    return chosen
-
-
-def bookkeeping_bytes(plan: dict, header: dict, shard_bytes: Callable[[dict], int]) -> int:
-    """The most that hidden/ holds besides the shards over a whole run by this plan: plan.json, index.json
-    listing every planned shard, the rank fragments (together at most that index), consumed.json listing
-    every round, and for each the temp copy of its atomic rewrite. Measured on the very text write_json
-    writes (header: index_header's; shard_bytes(shard): an upper bound of the shard's size, for its digits)."""
-    entries = {s["file"]: shard_entry(s, {"sha256": "0" * 64, "bytes": shard_bytes(s), "num_loss_tokens": s["num_tokens"]})
-               for s in plan["shards"]}
-    index = len(json_text(build_index(header, plan["shards"], entries)).encode())
-    consumed = len(json_text({"rounds": list(range(len(plan.get("rounds", []))))}).encode()) if "rounds" in plan else 0
-    # index.json and the fragments (at most an index together), consumed.json: each with its temp copy
-    return len(json_text(plan).encode()) + 2 * (index + index + consumed)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.core.distributed import DistEnv, barrier, broadcast_object
+from common.core.distributed import DistEnv, barrier, on_rank0
 from common.core.errors import DataError, PipelineError
 from common.core.run_folder import Layout
 from common.core.io import file_sha256, fsync_dir, iter_jsonl, write_jsonl_atomic
@@ -249,7 +249,7 @@ def load_latest(layout: Layout, draft, optimizer, env: DistEnv) -> Optional[tupl
     its steps from the previous one, exactly). Rank 0 checks the files; every rank loads the same one.
     """
     for _, path in reversed(layout.checkpoint_dirs()):
-        problem = broadcast_object(checkpoint_problem(path) if env.is_main else None, env)
+        problem = on_rank0(lambda: checkpoint_problem(path), env)
         if problem is None:
             try:
                 return path, load_checkpoint(path, draft, optimizer, env)

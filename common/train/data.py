@@ -20,8 +20,9 @@ process with grad_accum=2 and two processes with grad_accum=1 see exactly the sa
 batches (and, since the trainer divides every micro-batch loss by the position count of the whole
 global step, the same gradients). In the last step of an epoch a rank that runs out gets one of the
 epoch's first micro-batches again with weight 0 (collectives stay in step; no sample counts twice).
-A position is (epoch, index of the next global micro-batch), which is what a checkpoint stores, with
-the ledger of which sample was trained in which epoch (common.train.ledger).
+A position is (round, index of the next global micro-batch), which is what a checkpoint stores, with
+the ledger of which sample was trained in which epoch (common.train.ledger). Without a disk budget a round
+is an epoch; under one (common.hidden.rounds) an epoch is several rounds, each a random share of its samples.
 """
 
 from __future__ import annotations
@@ -189,11 +190,12 @@ def prefetch(read_fn, items, workers: int) -> Iterator:
 
 @dataclass
 class DataPosition:
-    epoch: int = 0
-    micro_batch: int = 0  # index of the next global micro-batch within the epoch
+    round: int = 0  # = the epoch without a disk budget
+    micro_batch: int = 0  # index of the next global micro-batch within the round
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "micro_batch": self.micro_batch}
+        # "epoch": the key checkpoints have always used for the round (older checkpoints resume)
+        return {"epoch": self.round, "micro_batch": self.micro_batch}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataPosition":
@@ -201,8 +203,8 @@ class DataPosition:
 
 
 @dataclass
-class Round:
-    """Rounds mode (extract.max_disk_gb): one round's train samples, as 02's plan cut them."""
+class RoundSamples:
+    """Under a disk budget: one round's train samples, as 02's plan cut them (common.hidden.rounds)."""
 
     epoch: int
     sample_ids: list[str]  # in index order (the round's shards in plan order, each in shard order)
@@ -216,12 +218,11 @@ class TrainData:
     epoch is one round over the whole train split (round r = epoch r). In rounds mode (`rounds` given,
     from 02's plan) round r is a random share of one epoch's samples, and `index` holds only the shards
     of the round being trained (use_index swaps it when the next round is on disk); the packing and the
-    step counts of every round come from the plan's lengths, so the whole schedule is known up front.
-    DataPosition.epoch is the round."""
+    step counts of every round come from the plan's lengths, so the whole schedule is known up front."""
 
     def __init__(self, index: HiddenIndex, batch_max_tokens: int, seed: int, *, world_size: int = 1, rank: int = 0,
                  grad_accum: int = 1, dtype: torch.dtype = torch.float32, num_workers: int = 0, pin_memory: bool = False,
-                 window: int = 4096, split: str = "train", rounds: list[Round] | None = None):
+                 window: int = 4096, split: str = "train", rounds: list[RoundSamples] | None = None):
         self.split, self.dtype, self.pin_memory = split, dtype, pin_memory
         self.rounds = rounds
         self.budget = batch_max_tokens
@@ -234,7 +235,7 @@ class TrainData:
         self._sizes: dict[int, int] = {}
         self.use_index(index)
         for r in range(len(rounds)) if rounds is not None else [0]:  # validates lengths against the budget at startup
-            self.steps_in_epoch(r)
+            self.steps_in_round(r)
 
     def use_index(self, index: HiddenIndex) -> None:
         """Read from `index` from now on (rounds mode: the shards of the round about to be trained)."""
@@ -246,7 +247,7 @@ class TrainData:
         self._index_of = {index.samples[i].sample_id: i for i in self.samples}
         self.reader = MicroBatchReader(index, dtype=self.dtype, pin_memory=self.pin_memory)
         self._loss_positions = np.full(len(index.samples), -1, dtype=np.int64)  # filled lazily
-        self._epochs: dict[int, list[list[int]]] = {}
+        self._packed: dict[int, list[list[int]]] = {}
 
     # -- rounds ----------------------------------------------------------------------------
 
@@ -283,19 +284,19 @@ class TrainData:
 
     def record_step(self, ledger: SampleLedger, pos: DataPosition) -> None:
         """Count the samples of the global step at `pos` as trained in its epoch."""
-        ledger.record_ids(self.epoch_of(pos.epoch),
+        ledger.record_ids(self.epoch_of(pos.round),
                           (self.index.samples[i].sample_id for mb in self.step_global_micro_batches(pos) for i in mb))
 
     def ledger_at(self, pos: DataPosition) -> SampleLedger:
         """The ledger of a run that stopped at `pos`: every earlier round whole (positions only move to
         the next round after the last micro-batch), and the first pos.micro_batch of pos's round."""
         ledger = self.new_ledger()
-        for r in range(pos.epoch):
+        for r in range(pos.round):
             ledger.record_ids(self.epoch_of(r), self.round_ids(r))
         if pos.micro_batch:
-            ids = self.round_ids(pos.epoch)
-            packed = pack_micro_batches(self._round_lengths(pos.epoch), self.budget, self.seed, pos.epoch, self.window)
-            ledger.record_ids(self.epoch_of(pos.epoch), (ids[k] for mb in packed[: pos.micro_batch] for k in mb))
+            ids = self.round_ids(pos.round)
+            packed = pack_micro_batches(self._round_lengths(pos.round), self.budget, self.seed, pos.round, self.window)
+            ledger.record_ids(self.epoch_of(pos.round), (ids[k] for mb in packed[: pos.micro_batch] for k in mb))
         return ledger
 
     @property
@@ -309,48 +310,58 @@ class TrainData:
             return int(sum(sum(rd.lengths) for rd in self.rounds if rd.epoch == self.rounds[0].epoch))
         return int(self.lengths.sum())
 
-    def epoch_micro_batches(self, epoch: int) -> list[list[int]]:
-        """The global micro-batches of a round (= an epoch without a disk budget), as lists of sample
+    def round_micro_batches(self, r: int) -> list[list[int]]:
+        """The global micro-batches of round r (= epoch r without a disk budget), as lists of sample
         indices into index.samples."""
-        if epoch not in self._epochs:
-            packed = pack_micro_batches(self._round_lengths(epoch), self.budget, self.seed, epoch, self.window)
-            samples = self._round_samples(epoch)
+        if r not in self._packed:
+            packed = pack_micro_batches(self._round_lengths(r), self.budget, self.seed, r, self.window)
+            samples = self._round_samples(r)
             # keep two rounds: the prefetcher may run into the next one while the loop finishes this one
-            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
-            self._epochs[epoch] = [[samples[i] for i in mb] for mb in packed]
-            self._sizes[epoch] = len(packed)
-        return self._epochs[epoch]
+            self._packed = {k: v for k, v in self._packed.items() if k == r - 1}
+            self._packed[r] = [[samples[i] for i in mb] for mb in packed]
+            self._sizes[r] = len(packed)
+        return self._packed[r]
 
-    def steps_in_epoch(self, epoch: int) -> int:
+    def steps_in_round(self, r: int) -> int:
         """Optimizer steps in a round (from the lengths alone: known for rounds not on disk yet)."""
-        if epoch not in self._sizes:
-            self._sizes[epoch] = len(pack_micro_batches(self._round_lengths(epoch), self.budget, self.seed, epoch, self.window))
-        return math.ceil(self._sizes[epoch] / self.micro_per_step)
+        if r not in self._sizes:
+            self._sizes[r] = len(pack_micro_batches(self._round_lengths(r), self.budget, self.seed, r, self.window))
+        return math.ceil(self._sizes[r] / self.micro_per_step)
 
     def steps_left_in_round(self, pos: DataPosition) -> int:
-        self.steps_in_epoch(pos.epoch)
-        return math.ceil((self._sizes[pos.epoch] - pos.micro_batch) / self.micro_per_step)
+        self.steps_in_round(pos.round)
+        return math.ceil((self._sizes[pos.round] - pos.micro_batch) / self.micro_per_step)
 
     def total_steps(self, epochs: int) -> int:
         """Steps of `epochs` epochs; rounds mode: of every planned round (02 planned train.epochs)."""
-        return sum(self.steps_in_epoch(r) for r in range(self.num_rounds if self.rounds is not None else epochs))
+        return sum(self.steps_in_round(r) for r in range(self.num_rounds if self.rounds is not None else epochs))
+
+    def epochs_done(self, pos: DataPosition) -> float:
+        """Epochs trained at `pos`, fractional (rounds mode: counted in the rounds' samples)."""
+        if self.rounds is None:
+            return pos.round + (pos.micro_batch / len(self.round_micro_batches(pos.round)) if pos.micro_batch else 0.0)
+        per_epoch = sum(len(rd.sample_ids) for rd in self.rounds if rd.epoch == self.rounds[0].epoch)
+        done = sum(len(rd.sample_ids) for rd in self.rounds[: pos.round])
+        if pos.micro_batch:
+            done += sum(len(mb) for mb in self.round_micro_batches(pos.round)[: pos.micro_batch])
+        return done / max(1, per_epoch)
 
     def step_micro_batches(self, pos: DataPosition) -> tuple[list[list[int]], list[bool], DataPosition]:
         """This rank's micro-batches for the optimizer step at `pos`, whether each one is real, and the
         position after the step. At an epoch's end a rank can run out: it gets one of the epoch's
         first micro-batches again to keep the collectives in step, marked not real (the trainer gives
         it weight 0), so every sample is trained exactly once per epoch."""
-        mbs = self.epoch_micro_batches(pos.epoch)
+        mbs = self.round_micro_batches(pos.round)
         m = len(mbs)
         start = pos.micro_batch
         slots = [start + j * self.world_size + self.rank for j in range(self.grad_accum)]
         nxt = start + self.micro_per_step
-        nxt_pos = DataPosition(pos.epoch, nxt) if nxt < m else DataPosition(pos.epoch + 1, 0)
+        nxt_pos = DataPosition(pos.round, nxt) if nxt < m else DataPosition(pos.round + 1, 0)
         return [mbs[g % m] for g in slots], [g < m for g in slots], nxt_pos
 
     def step_global_micro_batches(self, pos: DataPosition) -> list[list[int]]:
         """The real micro-batches of the whole global step at `pos` (all ranks), computed locally."""
-        mbs = self.epoch_micro_batches(pos.epoch)
+        mbs = self.round_micro_batches(pos.round)
         return mbs[pos.micro_batch : pos.micro_batch + self.micro_per_step]
 
     def step_tokens(self, pos: DataPosition) -> int:

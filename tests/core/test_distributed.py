@@ -2,11 +2,13 @@
 sums in one fixed flat layout (what a checkpoint stores); on_rank0 with two gloo processes. The 2-process
 training paths run in tests/train/test_train_ddp.py."""
 
+import time
+
 import pytest
 import torch
 
 from common.core.distributed import DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, init_distributed, on_rank0
-from common.core.errors import DataError
+from common.core.errors import DataError, PipelineError
 
 
 def test_single_process_environment_and_collectives(monkeypatch):
@@ -37,13 +39,13 @@ def test_named_sums_add_by_name_in_a_fixed_layout():
         restored.load_flat(torch.zeros(4))
 
 
-def _on_rank0_worker(rank: int, port: int, queue) -> None:
-    import os
+def _on_rank0_worker(rank: int, init_file: str, queue) -> None:
+    from datetime import timedelta
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a 3 s process-group timeout: the slow call below outlives it, as a cold weights hash outlives the real one
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=3))
     env = DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
     calls = []
 
@@ -53,6 +55,13 @@ def _on_rank0_worker(rank: int, port: int, queue) -> None:
             raise DataError("the hash failed on rank 0")
         return value
 
+    def slow():
+        time.sleep(5.0)
+        return "hashed"
+
+    def crash():
+        raise KeyError("oops")
+
     try:
         result = on_rank0(lambda: decide({"sha": "abc"}), env)
         try:
@@ -60,28 +69,38 @@ def _on_rank0_worker(rank: int, port: int, queue) -> None:
             error = None
         except DataError as e:  # every rank gets rank 0's error, none waits in a collective
             error = str(e)
-        queue.put((rank, result, error, calls))
+        slow_result = on_rank0(slow, env)
+        try:
+            on_rank0(crash, env)
+            crashed = None
+        except KeyError as e:  # rank 0: its own exception, with its traceback
+            crashed = f"KeyError {e}"
+        except PipelineError as e:  # the other ranks: one line that says rank 0 failed
+            crashed = str(e)
+        barrier(env)  # the group still works after a call longer than its timeout
+        queue.put((rank, result, error, calls, slow_result, crashed))
     finally:
         dist.destroy_process_group()
 
 
-def test_on_rank0_runs_once_and_hands_every_rank_its_result_or_its_error():
+def test_on_rank0_runs_once_and_hands_every_rank_its_result_or_its_error(tmp_path):
+    """on_rank0 runs fn on rank 0 alone and hands every rank its result, its PipelineError, or a one-line error
+    for any other exception; a call longer than the process group's timeout does not trip it."""
     import torch.multiprocessing as mp
-
-    from tests.helpers import free_port
 
     assert on_rank0(lambda: 7, DistEnv()) == 7  # one process: a plain call
     with pytest.raises(DataError, match="boom"):
         on_rank0(lambda: (_ for _ in ()).throw(DataError("boom")), DistEnv())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_on_rank0_worker, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_on_rank0_worker, args=(r, str(tmp_path / "pg-init"), queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {rank: (result, error, calls) for rank, result, error, calls in (queue.get(timeout=120) for _ in procs)}
+    results = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert results[0] == ({"sha": "abc"}, "the hash failed on rank 0", [0, 0])
-    assert results[1] == ({"sha": "abc"}, "the hash failed on rank 0", [])  # rank 1 never ran it
+    assert results[0] == [{"sha": "abc"}, "the hash failed on rank 0", [0, 0], "hashed", "KeyError 'oops'"]
+    # rank 1 never ran fn
+    assert results[1] == [{"sha": "abc"}, "the hash failed on rank 0", [], "hashed",
+                          "rank 0 failed (KeyError: 'oops'); its traceback is in its output above"]

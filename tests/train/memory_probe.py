@@ -34,13 +34,12 @@ def main(config_path: str, steps: int, overrides: list[str]) -> None:
         trainer = Trainer(cfg, env)
         trainer.build_model()
         trainer.init_state()
-        trainer.window_steps = 0
-        trainer.bar = type("Bar", (), {"update": lambda self, n: None})()
-        trainer.batches = trainer.data.stream(trainer.pos, steps)
+        trainer.progress.bar = type("Bar", (), {"update": lambda self, n: None})()
+        batches = trainer.data.stream(trainer.pos, steps)
         trainer.model.train()
         for s in range(steps):
             with record_function(f"probe_step_{s}"):
-                trainer.train_step()
+                trainer.train_step(batches)
 
     def walk(nodes):
         for n in nodes:

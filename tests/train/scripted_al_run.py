@@ -11,16 +11,16 @@ import sys
 
 
 def install(scripted: dict) -> None:
-    """Patch common.train.trainer.evaluate: the eval at step s reports scripted[str(s)] when listed."""
-    import common.train.trainer as trainer_mod
+    """Patch common.train.progress.evaluate: the eval at step s reports scripted[str(s)] when listed."""
+    import common.train.progress as progress_mod
 
-    real = trainer_mod.evaluate
+    real = progress_mod.evaluate
     steps = {"now": None}
-    original_step = trainer_mod.Trainer.evaluate
+    original_step = progress_mod.Progress.evaluate
 
-    def trainer_evaluate(self):
-        steps["now"] = self.step
-        return original_step(self)
+    def progress_evaluate(self, step_fn, index, reader, step):
+        steps["now"] = step
+        return original_step(self, step_fn, index, reader, step)
 
     def evaluate(step_fn, index, reader, cfg, env):
         report = real(step_fn, index, reader, cfg, env)
@@ -30,8 +30,8 @@ def install(scripted: dict) -> None:
             report["replay"][k]["acceptance_length"] = float(value)
         return report
 
-    trainer_mod.evaluate = evaluate
-    trainer_mod.Trainer.evaluate = trainer_evaluate
+    progress_mod.evaluate = evaluate
+    progress_mod.Progress.evaluate = progress_evaluate
 
 
 def main(config_path: str, scripted: dict) -> int:

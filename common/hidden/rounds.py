@@ -1,0 +1,199 @@
+"""The rounds protocol under a disk budget (docs/design.md#rounds-under-a-disk-budget): the one module that reads
+hidden/plan.json's rounds and hidden/consumed.json, and says what is due, what was trained and what may be deleted.
+
+When the hidden states of the whole data set do not fit extract.max_disk_gb, 02 cuts each epoch's train samples
+into rounds (common.extract.planning.plan_rounds) and writes them in plan.json. Then:
+
+    02  extracts the eval shards first (a streaming 04 starts on them), then the rounds due now: the first one not
+        consumed and the ones after it while they fit the budget together (HiddenPlan.rounds_on_disk).
+    04  trains a round, checkpoints, records it in consumed.json, then deletes its shards (mark_trained, rank 0).
+
+Who deletes what:
+    04           a trained round's train shards, after its checkpoint and its record in consumed.json;
+    02           train shards of rounds not due now (delete_not_due): a kill can come between 04's record and its
+                 deletion, and the budget holds only if nothing else is there;
+    04 on resume un-records rounds at or after its checkpoint's position (02 extracts them again), and finishes
+                 the deletion of rounds before it (mark_trained with keep_out);
+    04 --overwrite empties consumed.json (training starts over: 02 extracts from the first round again);
+    02 --overwrite deletes everything in hidden/, consumed.json included.
+
+Without a budget (plan.json has no "rounds") there is one extraction of everything and none of this applies:
+HiddenPlan.read returns the plan with rounds None, and every train shard is due.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
+
+from common.core.errors import DataError
+from common.core.io import read_json
+from common.hidden.shards import build_index, check_format_version, json_text, shard_entry, write_json
+
+if TYPE_CHECKING:
+    from common.core.run_folder import Layout
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of plan.json: train shards that are on disk together, a random share of one epoch's samples."""
+
+    number: int  # its place in the plan (0-based); a data position's round
+    epoch: int
+    shards: tuple[str, ...]
+    num_samples: int
+    num_tokens: int
+    bytes: int  # its shards' size, at most
+
+    def describe(self, total: int) -> str:
+        return f"round {self.number + 1} of {total} (epoch {self.epoch + 1})"
+
+
+class HiddenPlan:
+    """hidden/plan.json: the planned shards (dicts, as written: 02 writes and hashes them) and, under a disk
+    budget, its rounds (typed)."""
+
+    def __init__(self, doc: dict):
+        self.doc = doc
+        self.shards: list[dict] = doc["shards"]
+        self.settings: dict = doc.get("settings", {})
+        self.rounds: Optional[list[Round]] = None
+        if "rounds" in doc:
+            self.rounds = [Round(k, int(r["epoch"]), tuple(r["shards"]), int(r["num_samples"]), int(r["num_tokens"]),
+                                 int(r["bytes"])) for k, r in enumerate(doc["rounds"])]
+        self.max_disk_bytes: Optional[int] = doc.get("max_disk_bytes")
+        self.eval_bytes: int = doc.get("eval_bytes", 0)
+        self.reserve_bytes: int = doc.get("reserve_bytes", 0)
+        self.by_file = {s["file"]: s for s in self.shards}
+
+    @classmethod
+    def read(cls, path: Path) -> Optional["HiddenPlan"]:
+        """plan.json, or None when 02 has not planned yet."""
+        if not path.is_file():
+            return None
+        doc = read_json(path)
+        check_format_version(doc, path)
+        return cls(doc)
+
+    @property
+    def has_rounds(self) -> bool:
+        return self.rounds is not None
+
+    def eval_files(self) -> list[str]:
+        return [s["file"] for s in self.shards if s["split"] != "train"]
+
+    def files_of_round(self, r: int) -> list[str]:
+        """What round r trains from: its shards and the eval shards, in plan order."""
+        mine = set(self.rounds[r].shards)
+        return [s["file"] for s in self.shards if s["file"] in mine or s["split"] != "train"]
+
+    def round_samples(self, r: int) -> tuple[list[str], list[int]]:
+        """Round r's train sample ids and lengths, in index order (its shards in plan order, each in shard order)."""
+        shards = [self.by_file[f] for f in self.rounds[r].shards]
+        return [sid for s in shards for sid in s["sample_ids"]], [n for s in shards for n in s["lengths"]]
+
+    def planned_lengths(self) -> list[int]:
+        """Every planned train sample's length (rounds mode records them: the rounds not on disk have no index yet)."""
+        return [n for s in self.shards for n in s.get("lengths", [])]
+
+    def identity(self) -> list:
+        """What identifies the rounds (04's checkpoint fingerprint): each round's epoch, shards and tokens."""
+        return [(r.epoch, list(r.shards), r.num_tokens) for r in self.rounds]
+
+    def rounds_on_disk(self, consumed: set[int]) -> list[int]:
+        """The rounds whose shards should be on disk now: the first one not consumed, and the ones after it while
+        they fit max_disk_bytes together (the eval shards and the bookkeeping are part of every round's budget)."""
+        pending = [r for r in range(len(self.rounds)) if r not in consumed]
+        if not pending:
+            return []
+        chosen = [pending[0]]
+        used = self.eval_bytes + self.reserve_bytes + self.rounds[pending[0]].bytes
+        for r in pending[1:]:
+            if r != chosen[-1] + 1 or used + self.rounds[r].bytes > self.max_disk_bytes:
+                break
+            chosen.append(r)
+            used += self.rounds[r].bytes
+        return chosen
+
+    def due_files(self, consumed: set[int]) -> list[str]:
+        """The shards that should be on disk now: all of them, or under rounds the eval shards first (so that a
+        streaming 04 can start) and then the train shards of rounds_on_disk."""
+        if not self.has_rounds:
+            return [s["file"] for s in self.shards]
+        now = set(self.rounds_on_disk(consumed))
+        return self.eval_files() + [s["file"] for s in self.shards if s["split"] == "train" and s["round"] in now]
+
+    def files_of_rounds(self, rounds: Iterable[int]) -> set[str]:
+        return {f for r in rounds for f in self.rounds[r].shards}
+
+    def first_pending(self, consumed: set[int]) -> Optional[Round]:
+        return next((rd for rd in self.rounds if rd.number not in consumed), None)
+
+    def describe_due(self, consumed: set[int]) -> str:
+        """02's line after extracting what is due."""
+        now = self.rounds_on_disk(consumed)
+        total = len(self.rounds)
+        if not now:
+            return f"all {total} rounds extracted and trained on; nothing left to extract"
+        which = f"round {now[0] + 1}" if len(now) == 1 else f"rounds {now[0] + 1}-{now[-1] + 1}"
+        return (f"{which} of {total} (epoch {self.rounds[now[0]].epoch + 1}) extracted; run 04_train.py to train on it "
+                f"(it deletes it), then 02 again for the next one (run_pipeline.py alternates them)")
+
+
+def extracted(files: Iterable[str], listed: dict[str, dict], hidden_dir: Path) -> bool:
+    """Whether these shards are all indexed (in `listed`: common.hidden.shards.read_entries) and on disk."""
+    return all(f in listed and (hidden_dir / f).is_file() for f in files)
+
+
+# ---------------------------------------------------------------------------------------------
+# hidden/consumed.json: the rounds 04 has trained on (and deleted)
+# ---------------------------------------------------------------------------------------------
+
+
+def read_consumed(layout: "Layout") -> set[int]:
+    """The rounds 04 has trained on and deleted; none when the file is absent."""
+    path = layout.hidden_consumed
+    if not path.is_file():
+        return set()
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return {int(r) for r in doc["rounds"]}
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{path} is unreadable; it lists the rounds 04 has trained on: delete it and rerun 04_train.py "
+                        f"(it rewrites it from its checkpoint)") from None
+
+
+def write_consumed(layout: "Layout", rounds: Iterable[int]) -> None:
+    write_json(layout.hidden_consumed, {"rounds": sorted(set(rounds))})
+
+
+def mark_trained(layout: "Layout", plan: HiddenPlan, rounds: set[int], keep_out: set[int] = frozenset()) -> None:
+    """04, rank 0, after the checkpoint that covers `rounds`: record them as trained (02 reads it to know what
+    comes next), then delete their shards. keep_out: rounds to un-record (a resumed checkpoint is before them)."""
+    write_consumed(layout, (read_consumed(layout) | rounds) - set(keep_out))
+    for f in plan.files_of_rounds(rounds):
+        (layout.hidden / f).unlink(missing_ok=True)
+
+
+def delete_not_due(layout: "Layout", plan: HiddenPlan, consumed: set[int]) -> None:
+    """02: the train shards of rounds not due now go (see the module docstring: who deletes what)."""
+    due = set(plan.due_files(consumed))
+    for s in plan.shards:
+        if s["split"] == "train" and s["file"] not in due:
+            (layout.hidden / s["file"]).unlink(missing_ok=True)
+
+
+def bookkeeping_bytes(plan: dict, header: dict, shard_bytes: Callable[[dict], int]) -> int:
+    """The most that hidden/ holds besides the shards over a whole run by this plan (a plan.json dict, before it
+    is written): plan.json, index.json listing every planned shard, the rank fragments (together at most that
+    index), consumed.json listing every round, and for each the temp copy of its atomic rewrite. Measured on the
+    very text write_json writes (header: index_header's; shard_bytes(shard): an upper bound of the shard's size,
+    for its digits)."""
+    entries = {s["file"]: shard_entry(s, {"sha256": "0" * 64, "bytes": shard_bytes(s), "num_loss_tokens": s["num_tokens"]})
+               for s in plan["shards"]}
+    index = len(json_text(build_index(header, plan["shards"], entries)).encode())
+    consumed = len(json_text({"rounds": list(range(len(plan["rounds"])))}).encode()) if "rounds" in plan else 0
+    # index.json and the fragments (at most an index together), consumed.json: each with its temp copy
+    return len(json_text(plan).encode()) + 2 * (index + index + consumed)
