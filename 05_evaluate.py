@@ -43,10 +43,14 @@ def add_arguments(parser):
 
 
 def run(cfg, args):
+    if args.compare:
+        from common.evaluate.compare import run_compare
+
+        return run_compare(cfg, args.compare, overwrite=args.overwrite, base_url=args.base_url, foreign_draft=args.foreign_draft)
     from common.evaluate.stage import run_stage
 
     return run_stage(cfg, draft_dir=args.draft, overwrite=args.overwrite, baseline_only=args.baseline_only, base_url=args.base_url,
-                     foreign_draft=args.foreign_draft, compare=args.compare)
+                     foreign_draft=args.foreign_draft)
 
 
 if __name__ == "__main__":

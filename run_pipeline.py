@@ -185,7 +185,7 @@ def check_target(cfg) -> None:
 def generation_pending(cfg) -> bool:
     """True if 01b still has prompts to answer (it needs a server only then)."""
     from common.core.run_folder import Layout
-    from common.data.generate import load_done, load_prompts
+    from common.data.generate_files import load_done, load_prompts
 
     layout = Layout.of(cfg)
     prompts, _ = load_prompts(layout.prompts)
@@ -269,7 +269,7 @@ def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> Non
 
     layout = Layout.of(cfg)
     if layout.eval_report.is_file():
-        from common.evaluate.stage import report_measures, summary_lines
+        from common.evaluate.report import report_measures, summary_lines
 
         report = json.loads(layout.eval_report.read_text())
         # Only a measurement of the draft now in train/final (by its weights): after a new 04 the last
@@ -339,7 +339,7 @@ class Pipeline:
         self.current = "01b_generate_synthetic"
         url = self.args.server_url
         if url is None and (generation_pending(self.cfg) or baseline_pending(self.cfg)):
-            from common.evaluate.stage import target_server
+            from common.evaluate.serve import target_server
 
             banner(f"[vllm] starting a vLLM server for {self.cfg.target.model}")
             t0 = time.monotonic()

@@ -71,7 +71,7 @@ def bare_forward_seconds(cfg, model_dir: Path, run_dir: Path, full: bool) -> flo
 
     from common.core.run_folder import Layout
     from common.extract.hf_backend import make_batches
-    from common.extract.stage import read_shard_samples
+    from common.extract.scan import read_shard_samples
     from common.target.hf_forward import find_decoder_stack, pad_batch
     from common.target.loading import torch_dtype
 

@@ -9,7 +9,7 @@ timestamps every arrival and answer, which gives the number of requests it holds
 Clients, for each concurrency (default 128 and 512), one after the other against the same server:
   bare   the reference: httpx2.AsyncClient, `concurrency` tasks POSTing the same JSON body and
          parsing the JSON answer, nothing else;
-  01b    common.data.generate.Generator, the stage's own loop (openai-python AsyncOpenAI with our
+  01b    common.data.generate_requests.Generator, the stage's own loop (openai-python AsyncOpenAI with our
          connection limits, retry accounting, one JSONL append per sample, the progress bar).
 Two measurements per client:
   instant   latency 0: requests/s, client CPU time per request (this process's user+sys CPU over
@@ -188,7 +188,7 @@ async def run_bare(base_url: str, items: list[dict], concurrency: int) -> None:
 async def run_01b(base_url: str, items: list[dict], concurrency: int, out_dir: Path) -> dict:
     from common.core.config import config_from_dict
     from common.core.io import JsonlAppender
-    from common.data.generate import Generator
+    from common.data.generate_requests import Generator
     from common.serving.chat import make_clients
 
     cfg = config_from_dict({"run_dir": str(out_dir), "generate": {

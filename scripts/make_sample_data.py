@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from common.core.io import write_jsonl_atomic  # noqa: E402
 from common.demo.other_prompts import other_prompt_rows  # noqa: E402
-from common.demo.tiny_target import sample_prompt_rows  # noqa: E402
+from common.demo.chat_corpus import sample_prompt_rows  # noqa: E402
 
 
 def main() -> int:

@@ -1,9 +1,10 @@
 """The run configuration: one YAML file per run, validated against typed dataclasses.
 
-`load_config(path, overrides)` reads the YAML, applies `--set a.b=value` overrides (the value
-is parsed as YAML, so `--set train.lr=1e-4` and `--set target.aux_layer_ids=[1,2,3]` work),
-and checks every key and type. Unknown keys name the closest valid key. Relative paths in
-the file are resolved against the directory of the YAML file, so a config works from any cwd.
+`load_config(path, overrides)` reads the YAML (common.core.yaml_safe: hostile YAML is one error
+line), applies `--set a.b=value` overrides (the value is parsed as YAML, so `--set train.lr=1e-4`
+and `--set target.aux_layer_ids=[1,2,3]` work), and checks every key and type (ranges and choices;
+every count has an upper bound). Unknown keys name the closest valid key. Relative paths in the
+file are resolved against the directory of the YAML file, so a config works from any cwd.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Annotated, Any, Callable, Literal, Optional
 import yaml
 
 from common.core.errors import ConfigError
+from common.core.yaml_safe import read_yaml_file, yaml_value
 
 
 @dataclass(frozen=True)
@@ -58,15 +60,14 @@ class Range:
         return parse
 
     def describe(self) -> str:
-        def num(b: float) -> str:
-            return str(b) if isinstance(b, int) else f"{b:g}"
+        def num(b: float) -> str:  # 10**6 and 1e6 alike: equal Ranges share one cached Annotated type
+            return str(int(b)) if float(b).is_integer() and abs(b) < 1e15 else f"{b:g}"
 
         low = f">= {num(self.ge)}" if self.ge is not None else f"> {num(self.gt)}" if self.gt is not None else None
         high = f"<= {num(self.le)}" if self.le is not None else f"< {num(self.lt)}" if self.lt is not None else None
         return " and ".join(x for x in (low, high) if x)
 
 
-Positive = Range(ge=1)  # counts, sizes, intervals
 NonNegative = Range(ge=0)
 Fraction = Range(ge=0, le=1)
 Seed = Range(ge=0, le=2**31 - 1)  # numpy takes seeds below 2**32; the ranks add their rank
@@ -75,6 +76,7 @@ GpuMemoryGB = Range(gt=0, le=100_000)  # one GPU's memory (GB or GiB), also the 
 TensorParallel = Range(ge=1, le=1024)
 MemoryUtilization = Range(gt=0, le=1)  # vLLM's --gpu-memory-utilization
 ModelLen = Range(ge=1, le=2**26)  # tokens of one sequence
+Steps = Range(ge=1, le=10**12)  # optimizer steps, and intervals counted in them
 
 TorchDtype = Literal["bfloat16", "float16", "float32"]
 
@@ -98,7 +100,7 @@ class DataConfig:
     source: str = ""  # local .json/.jsonl/.parquet file or directory, or a `datasets` hub name
     split: str = "train"  # split of a hub dataset
     subset: Optional[str] = None  # hub dataset config name
-    max_samples: Optional[Annotated[int, Positive]] = None
+    max_samples: Optional[Annotated[int, Range(ge=1, le=10**9)]] = None
     eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05
     seed: Annotated[int, Seed] = 0
     system_prompt: Optional[str] = None  # prepended to every prompt that has none
@@ -198,7 +200,7 @@ class DraftConfig:
 class TrainConfig:
     ttt_steps: Annotated[int, Range(ge=1, le=256)] = 7
     loss_decay: Annotated[float, Range(gt=0, le=1)] = 0.8
-    max_steps: Optional[Annotated[int, Range(ge=1, le=10**12)]] = None  # optimizer steps; null = epochs * steps per epoch
+    max_steps: Optional[Annotated[int, Steps]] = None  # optimizer steps; null = epochs * steps per epoch
     epochs: Annotated[int, Range(ge=1, le=100000)] = 10
     lr: Annotated[float, Range(gt=0)] = 1e-4
     min_lr: Annotated[float, NonNegative] = 0.0
@@ -212,10 +214,10 @@ class TrainConfig:
     # fit without (docs/design.md#memory-planner-04; no check on CPU without train.gpu_memory_gb: off)
     gradient_checkpointing: Optional[bool] = None
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    checkpoint_every: Annotated[int, Positive] = 500
+    checkpoint_every: Annotated[int, Steps] = 500
     keep_checkpoints: Annotated[int, Range(ge=1, le=10000)] = 3
-    eval_every: Annotated[int, NonNegative] = 500  # 0 = only at the end
-    log_every: Annotated[int, Positive] = 10
+    eval_every: Annotated[int, Range(ge=0, le=Steps.le)] = 500  # 0 = only at the end
+    log_every: Annotated[int, Steps] = 10
     seed: Annotated[int, Seed] = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"
     num_workers: Annotated[int, Range(ge=0, le=1024)] = 0  # background threads reading the next micro-batches from the shards
@@ -465,26 +467,16 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
 def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=value` -> ("a.b", parsed value). The value is read as YAML (`null`, `[1,2]`, `0.5`), and
-    exponent numbers without a dot (`1e-4`), which YAML 1.1 reads as strings, are floats."""
+    """`a.b=value` -> ("a.b", parsed value). The value is read as YAML (`null`, `[1,2]`, `0.5`) by the file's
+    reader (common.core.yaml_safe.yaml_value), and exponent numbers without a dot (`1e-4`) are floats."""
     if "=" not in text:
         raise ConfigError(f"--set expects KEY=VALUE (for example train.lr=1e-4), got '{text}'")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
         raise ConfigError(f"--set expects KEY=VALUE, got '{text}' with an empty key")
-    try:
-        # the file's loader: an alias bomb or deep nesting in a value is refused as in the file
-        value = _safe_yaml(raw, f"--set {key}", f"--set {key}") if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
-        value = float(value)
-    return key, value
+    return key, yaml_value(raw, f"--set {key}")
 
 
 def _resolve_path(node: dict, key: str, base: Path, always: bool = False) -> None:
@@ -533,116 +525,11 @@ def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | Non
     return cfg
 
 
-MAX_CONFIG_VALUES = 100_000  # a config has a few hundred; far more is an alias bomb ("billion laughs")
-MAX_CONFIG_DEPTH = 64  # a config nests a few levels (section, key, a JSON value in extra_body); deeper is hostile
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)
-    and a key that is not a scalar (`? [a, b]`); merge keys (`<<: *defaults`) work, their keys
-    overridable as YAML says. Nesting deeper than MAX_CONFIG_DEPTH is refused while composing."""
-
-    def __init__(self, text: str, name: str):
-        super().__init__(text)
-        self.name = name  # named in the errors: the file's path, or "--set KEY"
-        self.depth = 0
-
-    def compose_node(self, parent, index):
-        # PyYAML composes recursively: 50,000 nested brackets would be a RecursionError traceback
-        if self.depth >= MAX_CONFIG_DEPTH:
-            line = self.peek_event().start_mark.line + 1
-            raise ConfigError(f"{self.name}, line {line}: the YAML is nested more than {MAX_CONFIG_DEPTH} levels deep; "
-                              f"a config nests a few: flatten it")
-        self.depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise ConfigError(f"{self.name}, line {key_node.start_mark.line + 1}: a config key must be a plain name, "
-                                  f"got a {key_node.id} (a YAML complex key, `? ...`); write it as `name: value`")
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise ConfigError(
-                    f"config key '{key}' appears twice in one section of {self.name} (lines {seen[key] + 1} and "
-                    f"{key_node.start_mark.line + 1}); keep one of them"
-                )
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _children(node) -> list:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
-
-
-def _expanded_shape(root, what: str) -> tuple[int, int]:
-    """(values, depth) the YAML node stands for once its aliases are expanded. Each shared node is counted
-    once per use and computed once: linear in the document, whatever the expansion; without recursion, as a
-    chain of aliases nests deeper than Python's stack. A node that contains itself is refused."""
-    shape: dict[int, tuple[int, int]] = {}
-    open_ids: set[int] = set()  # the nodes being walked: the current node's ancestors
-    stack = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        kids = _children(node)
-        if children_done:
-            open_ids.discard(id(node))
-            shape[id(node)] = (1 + sum(shape[id(k)][0] for k in kids), 1 + max((shape[id(k)][1] for k in kids), default=0))
-            continue
-        if id(node) in shape:
-            continue  # shared: already walked from another use
-        open_ids.add(id(node))
-        for kid in kids:
-            if id(kid) in open_ids:
-                raise ConfigError(f"{what}, line {kid.start_mark.line + 1}: a YAML alias (*name) inside its own anchor "
-                                  f"makes a value that contains itself; a config cannot hold one: remove the alias")
-        stack.append((node, True))
-        stack.extend((kid, False) for kid in kids)
-    return shape[id(root)]
-
-
-def _safe_yaml(text: str, name: str, what: str) -> Any:
-    """YAML text as plain values (a config file, or a --set value), refusing what would hang or end in a
-    traceback: more than MAX_CONFIG_VALUES values once the aliases are expanded (an alias bomb), nesting deeper
-    than MAX_CONFIG_DEPTH (written out or through aliases), a value that contains itself, a key given twice."""
-    loader = _UniqueKeyLoader(text, name)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        values, depth = _expanded_shape(node, what)
-        if values > MAX_CONFIG_VALUES:
-            raise ConfigError(f"{what} expands to more than {MAX_CONFIG_VALUES:,} values through its YAML aliases (*name); "
-                              f"a config needs a few hundred: remove the aliases that multiply")
-        if depth > MAX_CONFIG_DEPTH:
-            raise ConfigError(f"{what} nests more than {MAX_CONFIG_DEPTH} levels deep through its YAML aliases (*name); "
-                              f"a config nests a few: remove the aliases that nest")
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
-
-
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}; pass --config configs/<run>.yaml")
-    try:
-        tree = _safe_yaml(path.read_text(encoding="utf-8"), str(path), f"config file {path}")
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text ({e}); save it as UTF-8") from None
+    tree = read_yaml_file(path)
     if tree is not None and not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must contain a mapping of sections, got {type(tree).__name__}")
     # Overrides are resolved relative to the cwd, file values relative to the file.

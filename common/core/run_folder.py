@@ -25,8 +25,10 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +42,6 @@ HASH_CACHE = "hashes.json"
 # The prompt sets 05 measures: held-out prompts of the training distribution (eval/outputs.jsonl,
 # eval/baseline.json), evaluate.other_prompts ("other") and evaluate.prompt_sets (files suffixed -NAME).
 HELD_OUT, OTHER = "held_out", "other"
-
-
 TRAINING_SUMMARY, BEST_JSON = "training_summary.json", "best.json"  # in train/final/ and train/best/
 
 
@@ -298,9 +298,7 @@ class Layout:
         return self.stages / f"{stage}.lock"
 
 
-# ---------------------------------------------------------------------------------------------
-# Content fingerprints
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- content fingerprints
 
 
 def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
@@ -311,34 +309,31 @@ def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
     """
     path = Path(path)
     if path.is_dir():
-        import hashlib
-
         h = hashlib.sha256()
         for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")):
             h.update(f"{f.relative_to(path)}\0{content_fingerprint(layout, f)}\n".encode())
         return h.hexdigest()
     st = path.stat()
-    key = str(path.resolve())
-    stamp = [st.st_size, st.st_mtime_ns]
-    cache = _read_hash_cache(layout)
-    hit = cache.get(key)
+    stamp = [st.st_size, st.st_mtime_ns]  # taken before the read: a file rewritten meanwhile is hashed again next time
+    hit = _read_hash_cache(layout).get(str(path.resolve()))
     if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("sha256"), str):
         return hit["sha256"]
     digest = file_sha256(path)
-    cache = _read_hash_cache(layout)  # another stage may have added entries meanwhile
-    cache[key] = {"stamp": stamp, "sha256": digest}
-    # Keep the cache small: entries of files that are gone are dropped.
-    _write_hash_cache(layout, {k: v for k, v in cache.items() if os.path.exists(k)})
+    _remember(layout, path, stamp, digest)
     return digest
 
 
 def remember_fingerprint(layout: Layout, path: str | os.PathLike, digest: str) -> None:
     """Record the sha256 of a file its writer hashed while writing it (02's shards), so a later
     content_fingerprint (04's shard check) does not read it again: hours of reading at Kimi scale."""
-    path = Path(path)
-    st = path.stat()
-    cache = _read_hash_cache(layout)
-    cache[str(path.resolve())] = {"stamp": [st.st_size, st.st_mtime_ns], "sha256": digest}
+    st = Path(path).stat()
+    _remember(layout, path, [st.st_size, st.st_mtime_ns], digest)
+
+
+def _remember(layout: Layout, path: str | os.PathLike, stamp: list[int], digest: str) -> None:
+    cache = _read_hash_cache(layout)  # read now: another stage may have added entries meanwhile
+    cache[str(Path(path).resolve())] = {"stamp": stamp, "sha256": digest}
+    # Keep the cache small: entries of files that are gone are dropped.
     _write_hash_cache(layout, {k: v for k, v in cache.items() if os.path.exists(k)})
 
 
@@ -346,8 +341,6 @@ def _write_hash_cache(layout: Layout, cache: dict) -> None:
     """Replace the cache file. Several processes may write it at once (ranks, stages running side
     by side), so each uses its own temp file (common.core.io.atomic_path would delete the others');
     the last writer wins, and a lost entry is only hashed again."""
-    import tempfile
-
     try:
         layout.stages.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{HASH_CACHE}.", dir=layout.stages)
@@ -367,9 +360,7 @@ def _read_hash_cache(layout: Layout) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-# ---------------------------------------------------------------------------------------------
-# The stage manifest
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- the stage manifest
 
 
 COMPLETE, RUNNING = "complete", "running"
@@ -515,9 +506,7 @@ def last_outcome(run_dir: str | os.PathLike, stage: str) -> str | None:
     return ((m or {}).get("last_run") or {}).get("outcome")
 
 
-# ---------------------------------------------------------------------------------------------
-# The lock
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- the lock
 
 
 class StageBusy(PipelineError):

@@ -1,6 +1,6 @@
 """A prompt set of another kind than the training data, for measuring how the draft generalises.
 
-The tiny target's training corpus and the sample prompts (common.demo.tiny_target) are short templated
+The tiny target's training corpus and the sample prompts (common.demo.chat_corpus) are short templated
 questions about arithmetic, small Python functions, poems/emails/product blurbs, capitals, concepts,
 animals and word puzzles. These prompts share none of that: other topics (cooking, travel, sport,
 music, history, household money, gardening, health), other formats (JSON, tables, numbered plans,
@@ -9,8 +9,8 @@ words to a ~250-word pasted text). 05 sends them next to the held-out prompts
 (`evaluate.other_prompts`: the prompt set named "other", beside any `evaluate.prompt_sets`); they are
 never a `data.source`, and 05 refuses a set that shares a prompt with the training prompts.
 
-This lives apart from common/demo/tiny_target.py on purpose: the tiny target's cache key hashes that file,
-so adding these there would rebuild every cached target. Written to data/other_prompts.jsonl by
+This lives apart from common/demo/chat_corpus.py on purpose: the tiny target's cache key hashes that file
+(and tiny_target.py), so adding these there would rebuild every cached target. Written to data/other_prompts.jsonl by
 `python scripts/make_sample_data.py --other`.
 """
 

@@ -31,12 +31,17 @@ def newest_mtime(paths: Iterable[Path]) -> float:
 
 class StreamWait:
     """One stage waiting for the other: check(what) raises PipelineError when the partner has shown no sign
-    of life (no change to `signs`) for `minutes` since the wait began; tick(what) checks and sleeps a poll."""
+    of life (no change to `signs`) for `minutes` since the wait began; tick(what) checks and sleeps a poll.
+
+    `clock` and `sleep` are the wall clock the file mtimes are compared with and the poll's sleep (a test
+    passes a fake pair: its clock moves only when its sleep is called)."""
 
     def __init__(self, stage: str, partner: str, signs: list[Path], minutes: float, say: Callable[[str], None],
-                 poll_s: float = POLL_S, heartbeat_s: float = HEARTBEAT_S):
+                 poll_s: float = POLL_S, heartbeat_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
         self.stage, self.partner, self.signs, self.minutes, self.say = stage, partner, signs, minutes, say
         self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
+        self.clock, self.sleep = clock, sleep
         self.started: float | None = None
         self.last_heartbeat = 0.0
 
@@ -47,11 +52,11 @@ class StreamWait:
     def tick(self, what: str) -> None:
         """One poll: check(what), then sleep."""
         self.check(what)
-        time.sleep(self.poll_s)
+        self.sleep(self.poll_s)
 
     def check(self, what: str) -> None:
         """Say that (and, every heartbeat, how long) the stage waits; raise once the partner is silent too long."""
-        now = time.time()
+        now = self.clock()
         if self.started is None:
             self.started = self.last_heartbeat = now
             self.say(f"{self.stage}: waiting for {what}")

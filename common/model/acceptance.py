@@ -13,7 +13,7 @@ replay            walks vLLM's greedy rounds over each sample's correctness (`re
                   step j was right at t; the target then adds its own (bonus) token, so the next
                   round starts accepted + 1 tokens later. acceptance length = mean over rounds of
                   accepted + 1; per-position rate j = rounds that accepted draft j / rounds. These
-                  are exactly vLLM's counter formulas (common.evaluate.stage.acceptance_metrics).
+                  are exactly vLLM's counter formulas (common.evaluate.serve.acceptance_metrics).
 
 Correctness layout (the TTT alignment of common/model/ttt.py): hits[i, t] is True when TTT step i at
 index t - draft input: target features at t, tokens x_{t+1..t+1+i} - predicts the target's top-1

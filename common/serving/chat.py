@@ -1,7 +1,7 @@
 """The one chat client: how every stage talks to an OpenAI-compatible server (vLLM).
 
 01b (common.data.generate) generates the training conversations with it, 05
-(common.evaluate.stage) measures the draft with it. Both build their clients, their requests and
+(common.evaluate.serve) measures the draft with it. Both build their clients, their requests and
 read the answers here, so a setting such as generate.extra_body reaches every request the same way.
 
 - `make_client` / `make_clients`: the OpenAI client (async for 01b, blocking for 05's thread

@@ -114,8 +114,8 @@ def test_defaults_are_a_valid_config():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.log_every=0", "config key 'train.log_every' must be >= 1, got 0"),
-    ("train.checkpoint_every=0", "config key 'train.checkpoint_every' must be >= 1, got 0"),
+    ("train.log_every=0", "config key 'train.log_every' must be >= 1 and <= 1000000000000, got 0"),
+    ("train.checkpoint_every=0", "config key 'train.checkpoint_every' must be >= 1 and <= 1000000000000, got 0"),
     ("train.betas=[0.9,2.0]", "config key 'train.betas[1]' must be >= 0 and < 1, got 2.0"),
     ("generate.backoff_initial_s=-1", "config key 'generate.backoff_initial_s' must be >= 0 and <= 3600, got -1.0"),
     ("generate.temperature=-3", "config key 'generate.temperature' must be >= 0, got -3.0"),
@@ -123,7 +123,7 @@ def test_defaults_are_a_valid_config():
     ("train.warmup_ratio=5", "config key 'train.warmup_ratio' must be >= 0 and <= 1, got 5.0"),
     ("train.grad_clip=-1", "config key 'train.grad_clip' must be >= 0, got -1.0"),
     ("train.epochs=0", "config key 'train.epochs' must be >= 1 and <= 100000, got 0"),
-    ("train.eval_every=-1", "config key 'train.eval_every' must be >= 0, got -1"),
+    ("train.eval_every=-1", "config key 'train.eval_every' must be >= 0 and <= 1000000000000, got -1"),
     ("extract.min_free_disk_gb=-100", "config key 'extract.min_free_disk_gb' must be >= 0 and <= 1000000, got -100.0"),
     ("train.num_workers=-2", "config key 'train.num_workers' must be >= 0 and <= 1024, got -2"),
     ("server.port=99999", "config key 'server.port' must be >= 0 and <= 65535, got 99999"),
@@ -131,7 +131,7 @@ def test_defaults_are_a_valid_config():
     ("generate.max_failure_fraction=1.5", "config key 'generate.max_failure_fraction' must be >= 0 and <= 1, got 1.5"),
     ("train.precision=bf17", "config key 'train.precision' must be one of auto, bf16, fp32, got 'bf17'; did you mean 'bf16'?"),
     ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"),
-    # issue 18, cases 4 and 15: non-finite numbers and seeds numpy cannot take, refused at load
+    # non-finite numbers and seeds numpy cannot take, refused at load
     ("train.lr=.inf", "config key 'train.lr' must be a finite number, got inf"),
     ("train.lr=.nan", "config key 'train.lr' must be a finite number, got nan"),
     ("extract.min_free_disk_gb=.inf", "config key 'extract.min_free_disk_gb' must be a finite number, got inf"),
@@ -139,14 +139,15 @@ def test_defaults_are_a_valid_config():
     ("train.seed=-1", "config key 'train.seed' must be >= 0 and <= 2147483647, got -1"),
     ("train.seed=1e30", "config key 'train.seed' must be >= 0 and <= 2147483647, got 1000000000000000019884624838656"),
     ("data.seed=4294967296", "config key 'data.seed' must be >= 0 and <= 2147483647, got 4294967296"),
-    # issue 18, case 15: a port out of range in the URL gave an ExceptionGroup traceback in 01b
+    # a port out of range in the URL: one line here, not an ExceptionGroup traceback in 01b
     ("generate.base_url=http://127.0.0.1:99999/v1", "config key 'generate.base_url' is not a valid URL (Port out of range "
                                                     "0-65535): 'http://127.0.0.1:99999/v1'; for example http://127.0.0.1:8000/v1"),
     ("generate.base_url=localhost:8000/v1", "config key 'generate.base_url' must be an http(s) URL with a host (and a port "
                                             "in 1..65535), got 'localhost:8000/v1'; for example http://127.0.0.1:8000/v1"),
 ])
 def test_config_values_are_checked_at_load(tmp_path, override, message):
-    """Issue 10, cases 5 and 8: values that gave tracebacks, or were accepted, are one line at load."""
+    """A bad value (out of range, not finite, a wrong choice or key, a bad URL) is one `error:` line when the
+    config loads, before the stage writes anything."""
     cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run")})
     line = error_line(run_stage("03_build_vocab_map.py", cfg, "--set", override, timeout=120))
     assert line == f"error: {message}"
@@ -154,14 +155,14 @@ def test_config_values_are_checked_at_load(tmp_path, override, message):
 
 
 def test_config_duplicate_keys_are_an_error(tmp_path):
-    """Issue 10, case 6: YAML keeps the last of two equal keys silently."""
+    """A key given twice in one section is an error naming both lines (plain YAML keeps the last silently)."""
     cfg = tmp_path / "run.yaml"
     cfg.write_text("run_dir: out\ntrain:\n  lr: 1.0e-4\n  max_steps: 10\n  lr: 3.0e-4\n")
     error_line(run_stage("04_train.py", cfg, timeout=120),
                f"config key 'lr' appears twice in one section of {cfg} (lines 3 and 5); keep one of them")
 
 
-# ---- issue 18, cases 6, 7 and 12: hostile YAML and absurd counts
+# ---- hostile YAML
 
 
 def test_yaml_merge_keys_work_and_complex_keys_are_one_line(tmp_path):
@@ -188,21 +189,10 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     assert "expands to more than 100,000 values through its YAML aliases" in line
 
 
-@pytest.mark.parametrize("override, message", [
-    ("generate.concurrency=1e9", "config key 'generate.concurrency' must be >= 1 and <= 16384, got 1000000000"),
-    ("train.ttt_steps=100000", "config key 'train.ttt_steps' must be >= 1 and <= 256, got 100000"),
-    ("extract.shard_max_tokens=1e12", "config key 'extract.shard_max_tokens' must be >= 1 and <= 67108864"),
-    ("evaluate.num_speculative_tokens=1000", "config key 'evaluate.num_speculative_tokens' must be >= 1 and <= 256"),
-])
-def test_counts_have_upper_bounds(override, message):
-    with pytest.raises(ConfigError) as e:
-        config_from_dict({"run_dir": "run"}, [override])
-    assert message in str(e.value)
-
-
 @pytest.mark.parametrize("script", ["01_prepare_data.py", "03_build_vocab_map.py", "05_evaluate.py", "run_pipeline.py"])
 def test_run_dir_on_a_file_is_one_error_line(tmp_path, script):
-    """Issue 18, case 13: NotADirectoryError tracebacks."""
+    """run_dir on a file (or under one) is one error line from every stage, not a NotADirectoryError traceback;
+    the file is left as it was."""
     (tmp_path / "afile").write_text("not a folder")
     for run_dir in ("afile", "afile/run"):
         cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": run_dir})
@@ -212,14 +202,14 @@ def test_run_dir_on_a_file_is_one_error_line(tmp_path, script):
 
 
 def test_a_numeric_run_dir_is_a_folder_next_to_the_yaml(tmp_path):
-    """Issue 18, case 21: `run_dir: 5` wrote under the working directory."""
+    """`run_dir: 5` is the folder "5" next to the YAML, like any relative path, not one under the working directory."""
     (tmp_path / "configs").mkdir()
     cfg = tmp_path / "configs" / "run.yaml"
     cfg.write_text("run_dir: 5\n")
     assert load_config(cfg).run_dir == str(tmp_path / "configs" / "5")
 
 
-# ---- issue 25, case 3: hostile YAML through --set as in the file, and nesting that overflowed the stack
+# ---- hostile YAML through --set as in the file, and nesting that would overflow Python's stack
 
 
 def _refused_quickly(cfg: Path, *args: str, fragment: str, tmp_path: Path) -> str:
@@ -274,10 +264,16 @@ def test_nesting_a_config_needs_still_loads(tmp_path):
     assert parse_override("data.system_prompt=You are: [x") == ("data.system_prompt", "You are: [x")  # not YAML: text
 
 
-# ---- issue 25, case 5: numbers that overflow once turned into bytes, and every float's nan/inf
+# ---- absurd counts, numbers that overflow once turned into bytes, and every float's nan/inf
 
 
 @pytest.mark.parametrize("override, message", [
+    # counts: each has a sane maximum
+    ("generate.concurrency=1e9", "config key 'generate.concurrency' must be >= 1 and <= 16384, got 1000000000"),
+    ("train.ttt_steps=100000", "config key 'train.ttt_steps' must be >= 1 and <= 256, got 100000"),
+    ("extract.shard_max_tokens=1e12", "config key 'extract.shard_max_tokens' must be >= 1 and <= 67108864, got 1000000000000"),
+    ("evaluate.num_speculative_tokens=1000", "config key 'evaluate.num_speculative_tokens' must be >= 1 and <= 256, got 1000"),
+    # sizes that become bytes: finite, and bounded well below an overflow
     ("extract.max_disk_gb=1e300", "config key 'extract.max_disk_gb' must be > 0 and <= 1000000, got 1e+300"),
     ("extract.max_disk_gb=.inf", "config key 'extract.max_disk_gb' must be a finite number, got inf"),
     ("extract.max_disk_gb=.nan", "config key 'extract.max_disk_gb' must be a finite number, got nan"),
@@ -287,14 +283,40 @@ def test_nesting_a_config_needs_still_loads(tmp_path):
     ("extract.min_free_disk_gb=1e300", "config key 'extract.min_free_disk_gb' must be >= 0 and <= 1000000, got 1e+300"),
     ("train.gpu_memory_gb=1e300", "config key 'train.gpu_memory_gb' must be > 0 and <= 100000, got 1e+300"),
 ])
-def test_sizes_that_become_bytes_are_bounded(override, message):
+def test_counts_and_sizes_have_upper_bounds(override, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"run_dir": "run"}, [override])
     assert str(e.value) == message
 
 
+def test_a_bound_reads_the_same_as_an_int_or_a_float():
+    """Equal Ranges share one cached Annotated type (typing compares 10**6 == 1e6), so a key's message must not
+    depend on which of the two spellings typing saw first."""
+    from common.core.config import Range
+
+    assert Range(ge=0, le=1e6).describe() == Range(ge=0, le=10**6).describe() == ">= 0 and <= 1000000"
+    assert Range(gt=0, lt=0.5).describe() == "> 0 and < 0.5"
+
+
+@pytest.mark.parametrize("key, bound, message", [
+    ("train.checkpoint_every", 10**12, "config key 'train.checkpoint_every' must be >= 1 and <= 1000000000000, got 1000000000001"),
+    ("train.log_every", 10**12, "config key 'train.log_every' must be >= 1 and <= 1000000000000, got 1000000000001"),
+    ("train.eval_every", 10**12, "config key 'train.eval_every' must be >= 0 and <= 1000000000000, got 1000000000001"),
+    ("data.max_samples", 10**9, "config key 'data.max_samples' must be >= 1 and <= 1000000000, got 1000000001"),
+])
+def test_step_intervals_and_max_samples_are_bounded(key, bound, message):
+    """Each is accepted at its upper bound (train.max_steps' for the step intervals) and refused one above it,
+    in one line."""
+    section, name = key.split(".")
+    assert getattr(getattr(config_from_dict({"run_dir": "run"}, [f"{key}={bound}"]), section), name) == bound
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"run_dir": "run"}, [f"{key}={bound + 1}"])
+    assert str(e.value) == message and "\n" not in message
+
+
 def test_a_refused_disk_budget_deletes_nothing(tmp_path):
-    """02 --overwrite with extract.max_disk_gb=1e300 cleared hidden/ and then died of an OverflowError."""
+    """02 --overwrite with a disk budget refused at load (1e300 GB, an OverflowError once in bytes) refuses before it
+    clears hidden/; the largest budget allowed turns into bytes without overflow."""
     shard = tmp_path / "run" / "hidden" / "shard-00000.safetensors"
     shard.parent.mkdir(parents=True)
     shard.write_bytes(b"kept")

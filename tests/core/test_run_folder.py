@@ -104,7 +104,8 @@ def test_lock_names_the_holder_and_dies_with_it(tmp_path):
 
 
 def test_overwrite_is_refused_while_a_reader_of_the_outputs_runs(tmp_path):
-    """Issue 25, case 1: locks were per stage, so 02 --overwrite rewrote the shards a running 04 read."""
+    """--overwrite of a stage is refused while a stage that reads its outputs runs (02 --overwrite under a
+    running 04 would rewrite the shards 04 reads); the probe leaves the reader's lock alone."""
     assert lock_holder(tmp_path, "04_train") is None  # never locked: no lock file, nothing created
     assert not (tmp_path / "stages").exists()
     holder = hold_lock(tmp_path, "04_train")
@@ -127,8 +128,8 @@ def test_overwrite_is_refused_while_a_reader_of_the_outputs_runs(tmp_path):
 
 
 def test_a_setting_recorded_under_a_new_key_is_not_a_change(tmp_path):
-    """Issue 25, case 12: 04 recorded the target by path ("target_model"); it now records its content
-    ("target"). A manifest written before is not a mismatch; a real change still is."""
+    """A setting an older manifest recorded under another key (04's "target_model", a path, now "target", its
+    content) is not a mismatch; a real change of the new key still is."""
     layout = Layout.of(tmp_path)
     StageManifest(layout, "04_train", settings={"target_model": "/a/path", "seed": 0}).partial()
     new = StageManifest(layout, "04_train", settings={"target": "sha-of-weights", "seed": 0},

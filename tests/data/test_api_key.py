@@ -17,11 +17,10 @@ import sys
 from pathlib import Path
 
 import yaml
-from conftest import REPO, stage_env
 from fault_server import FaultServer, Faults
 
 from common.core.io import iter_jsonl
-from tests.helpers import RejectingServer
+from tests.helpers import REPO, RejectingServer, stage_env
 
 KEY = "sk-eagle3-TEST-5ecr3t-9f1c2e7d4b"
 DECOY = "sk-decoy-from-OPENAI_API_KEY-77aa"

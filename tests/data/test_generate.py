@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DROPS_OLD_REASONING_TEMPLATE, KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, REPO, build_chat_tokenizer, build_slow_chat_tokenizer, stage_env
+from conftest import DROPS_OLD_REASONING_TEMPLATE, KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, build_chat_tokenizer, build_slow_chat_tokenizer
 from fault_server import (
     ALWAYS_FAIL_MARKER,
     BAD_REQUEST_MARKER,
@@ -35,17 +35,13 @@ from fault_server import (
 
 from common.core.config import load_config
 from common.core.errors import ConfigError, DataError, PipelineError
-from common.data.generate import (
-    MISSING_TOKEN_IDS,
-    MissingTokenIds,
-    backoff_delay,
-    classify,
-    load_done,
-    run_stage,
-)
 from common.core.io import iter_jsonl
+from common.data.generate import run_stage
+from common.data.generate_files import load_done
+from common.data.generate_requests import MISSING_TOKEN_IDS, MissingTokenIds, backoff_delay, classify
 from common.serving.chat import MalformedResponse
 from common.target.tokenization import load_tokenizer
+from tests.helpers import REPO, stage_env
 
 SECRET = "sk-test-DO-NOT-LEAK-5f3a9c"
 SCRIPT = str(REPO / "01b_generate_synthetic.py")
@@ -302,7 +298,7 @@ def test_overwrite_restarts(run_dir, write_config, chat_tokenizer_dir, api_key):
 
 
 def test_multi_turn_requests_carry_the_regenerated_history(run_dir, write_config, chat_tokenizer_dir, api_key):
-    prompts = make_prompts(run_dir, 3)  # p002 has two user turns
+    make_prompts(run_dir, 3)  # p002 has two user turns
     with FaultServer(Faults(seed=2), record_bodies=True) as server:
         cfg = load_config(config(write_config, server, chat_tokenizer_dir, temperature=0.25, max_tokens=77,
                                  enable_thinking=True, extra_body={"top_k": 5}))
@@ -512,7 +508,7 @@ def test_server_mode_without_token_ids_fails_clearly(run_dir, write_config, chat
         assert report["this_run"]["failure_reasons"] == {"MissingTokenIds": 2} and report["this_run"]["retries"] == 0
 
     # A server that never returns ids (vLLM < 0.10): one 1-token preflight request, then a clear error,
-    # before --overwrite deletes anything (issue 25: a refused start keeps the previous outputs).
+    # before --overwrite deletes anything: a refused start keeps the previous outputs.
     previous = (run_dir / "data" / "raw_responses.jsonl").read_bytes()
     with FaultServer(Faults(seed=1), token_ids=False) as old_server:
         with pytest.raises(PipelineError, match="server did not return token ids.*vLLM >= 0.10.*token_ids_from=template"):
@@ -577,7 +573,7 @@ def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, w
     from conftest import PROMPT_ENDS_MID_WORD_TEMPLATE
 
     from common.core.run_folder import Layout
-    from common.data.generate import tokenize_outputs
+    from common.data.generate_tokenize import tokenize_outputs
 
     tok_dir = build_chat_tokenizer(tmp_path / "tok", PROMPT_ENDS_MID_WORD_TEMPLATE)
     cfg = load_config(config(write_config, "http://127.0.0.1:9/v1", tok_dir))
@@ -587,5 +583,5 @@ def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, w
             "merges": {"messages": [user, {"role": "assistant", "content": "nswer to turn 1"}]}}
     (run_dir / "data").mkdir()
     counts = tokenize_outputs(cfg, Layout.of(cfg), prompts, done, load_tokenizer(str(tok_dir)))
-    assert counts["train"] == 1 and counts["skipped"] == {"token_boundary_merge": 1}
+    assert counts.train == 1 and counts.skipped == {"token_boundary_merge": 1}
     assert [r["id"] for r in rows_of(run_dir / "data" / "train.jsonl")] == ["ok"]

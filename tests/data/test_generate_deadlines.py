@@ -1,4 +1,4 @@
-"""Issue 25, case 2: every HTTP call 01b makes has a total deadline, generate.timeout_s. Against a server
+"""Every HTTP call 01b makes has a total deadline, generate.timeout_s. Against a server
 that sends its answers one byte a second (tests/fault_server.py, Faults.drip_s), each start-up call
 (GET /v1/models, POST /tokenize, GET /metrics) and each chat request ends within timeout_s + 5 s with
 the outcome its failure has. And the --overwrite audit of 01b: a refused start deletes nothing."""
@@ -22,7 +22,7 @@ from tests.fault_server import METRICS_KV_TOKENS, Faults, FaultServer
 from tests.helpers import error_line
 
 TIMEOUT_S = 3.0
-ONE_BYTE_A_SECOND = 1.0  # the issue's server: without a total deadline, any of its answers takes minutes
+ONE_BYTE_A_SECOND = 1.0  # a dripping server: without a total deadline, any of its answers takes minutes
 
 
 def tokenize_fn(tokenizer_dir: Path):

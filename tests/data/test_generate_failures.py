@@ -9,7 +9,7 @@ import pytest
 
 from common.core.run_folder import Layout, read_manifest
 from tests.fault_server import Faults, FaultServer
-from tests.helpers import error_line, run_stage, train_env
+from tests.helpers import error_line, run_stage, stage_env
 
 
 # ============================================================================ 01b: failures
@@ -22,14 +22,15 @@ def gen(run_dir, write_config, chat_tokenizer_dir):
         return config(write_config, server, chat_tokenizer_dir, **generate)
 
     def run(cfg):
-        return run_stage("01b_generate_synthetic.py", cfg, env=train_env() | {"EAGLE3_TEST_API_KEY": SECRET}, timeout=300)
+        return run_stage("01b_generate_synthetic.py", cfg, env=stage_env(EAGLE3_TEST_API_KEY=SECRET), timeout=300)
 
     return make, run
 
 
 @pytest.mark.parametrize("status", [401, 403])
 def test_01b_auth_error_stops_the_run_at_once(run_dir, gen, status):
-    """Issue 10, case 4: a 401 on chat was recorded once per prompt (50k rows at scale) and exited 0."""
+    """A 401/403 on chat stops the run after the requests already in flight: one error line naming the
+    key's variable, nothing recorded as failed (not one row per prompt), no train.jsonl, the error in the report."""
     from tests.data.test_generate import make_prompts
 
     make, run = gen
@@ -51,7 +52,8 @@ def test_01b_auth_error_stops_the_run_at_once(run_dir, gen, status):
     (Faults(p_hang=1.0, hang_s=5.0), "TimeoutError x12"),
 ], ids=["5xx", "non-json", "empty-choices", "timeouts"])
 def test_01b_every_request_failing_is_an_error(run_dir, gen, faults, cause):
-    """Issue 10, case 4: every request failing exited 0 and wrote an empty train.jsonl."""
+    """Every request failing (5xx, non-JSON, empty choices, timeouts) is one error line with the cause
+    counted, no train.jsonl, and the same error in generate_report.json (not exit 0 with an empty train.jsonl)."""
     from tests.data.test_generate import make_prompts
 
     make, run = gen
@@ -98,7 +100,8 @@ def test_01b_never_mixes_two_generations(run_dir, gen):
 
 
 def test_01b_skips_prompts_stage_01_would_drop(run_dir, gen):
-    """Issue 10, case 8: a message without "role" was a KeyError traceback; empty prompts were sent."""
+    """Prompt rows stage 01 would drop (a message without "role", an unknown role, only empty or no user
+    turns) are never sent and are counted in the report by 01's reason; no traceback."""
     make, run = gen
     rows = [
         {"id": "ok", "messages": [{"role": "user", "content": "What is 2 plus 2?"}]},

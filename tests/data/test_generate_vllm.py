@@ -14,12 +14,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, stage_env
 
-from common.data.generate import normalize_turn
-from common.serving.chat import parse_completion
 from common.core.io import iter_jsonl
+from common.data.generate_requests import normalize_turn
+from common.serving.chat import parse_completion
 from common.target.tokenization import load_tokenizer, tokenize_conversation
+from tests.helpers import REPO, stage_env
 
 def run_stage_script(script: str, cfg_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(REPO / script), "--config", str(cfg_path), *args], cwd=REPO,

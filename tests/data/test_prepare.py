@@ -14,7 +14,7 @@ from common.core.config import config_from_dict
 from common.core.errors import ConfigError, DataError
 from common.data.prepare import prepare_prompts, row_messages, split_of
 from tests.helpers import error_line
-from tests.conftest import REPO, stage_env
+from tests.helpers import REPO, stage_env
 
 
 def make_cfg(run_dir: Path, **data) -> object:
@@ -247,7 +247,7 @@ def test_no_usable_rows_and_missing_source_are_clear_errors(tmp_path):
 
 
 def test_sample_dataset_is_small_varied_and_reproducible(tmp_path):
-    from common.demo.tiny_target import sample_prompt_rows
+    from common.demo.chat_corpus import sample_prompt_rows
 
     path = REPO / "data" / "sample_prompts.jsonl"
     assert path.stat().st_size < 300 * 1024

@@ -1,4 +1,5 @@
-"""The tiny target fixture (common/demo/tiny_target.py): files, chat template, tokens, training, cache."""
+"""The tiny target fixture (common/demo/tiny_target.py, its corpus common/demo/chat_corpus.py): files, chat template,
+tokens, training, cache."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from common.demo.chat_corpus import sample_prompt_rows
 from common.demo.tiny_target import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     build_key,
     build_tiny_target,
     ensure_tiny_target,
-    sample_prompt_rows,
     training_conversations,
 )
-from tests.conftest import REPO, stage_env
+from tests.helpers import REPO, stage_env
 
 QUICK_STEPS = 30
 

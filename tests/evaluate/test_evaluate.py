@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from common.evaluate import stage as evaluate
 from common.core.config import config_from_dict
 from common.core.errors import DataError, PipelineError
+from common.evaluate import serve
+from common.evaluate import stage as evaluate
+from common.evaluate.draft import draft_fingerprint
 from common.evaluate.plots import plot_report, training_curves
 from common.evaluate.prompt_sets import held_out_set, load_prompt_set
+from common.evaluate.report import compare_outputs, mismatch_examples
 from common.serving.vllm_server import metrics_delta, parse_prometheus, scrape_metrics, spec_decode_metrics
 from tests.helpers import FakeVllm, LocalHttpServer
 
@@ -102,7 +105,7 @@ def test_counter_delta_and_acceptance_math_hand_checked():
     assert delta["num_drafts"] == 40 and delta["num_draft_tokens"] == 120 and delta["num_accepted_tokens"] == 60
     assert delta["num_accepted_tokens_per_pos"] == {0: 30.0, 1: 20.0, 2: 10.0}
 
-    acc = evaluate.acceptance_metrics(delta, num_speculative_tokens=3)
+    acc = serve.acceptance_metrics(delta, num_speculative_tokens=3)
     assert acc["acceptance_length"] == pytest.approx(1.0 + 60 / 40)  # 2.5
     assert acc["per_position_acceptance"] == pytest.approx([30 / 40, 20 / 40, 10 / 40])
     assert acc["draft_acceptance_rate"] == pytest.approx(60 / 120)
@@ -115,21 +118,21 @@ def test_counter_delta_and_acceptance_math_hand_checked():
 def test_acceptance_metrics_pads_missing_positions_and_rejects_no_drafts():
     delta = {"num_drafts": 10.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 7.0,
              "num_accepted_tokens_per_pos": {0: 5.0, 1: 2.0}}
-    acc = evaluate.acceptance_metrics(delta, num_speculative_tokens=4)
+    acc = serve.acceptance_metrics(delta, num_speculative_tokens=4)
     assert acc["per_position_acceptance"] == pytest.approx([0.5, 0.2, 0.0, 0.0])
     assert acc["acceptance_length"] == pytest.approx(1.7)
     with pytest.raises(PipelineError, match="no speculative drafts"):
-        evaluate.acceptance_metrics({**delta, "num_drafts": 0.0}, 3)
+        serve.acceptance_metrics({**delta, "num_drafts": 0.0}, 3)
     with pytest.raises(PipelineError, match="went down"):
-        evaluate.acceptance_metrics({**delta, "num_accepted_tokens": -1.0}, 3)
+        serve.acceptance_metrics({**delta, "num_accepted_tokens": -1.0}, 3)
 
 
 def test_compare_outputs_counts_and_shows_mismatches():
     a = {"p1": {"reasoning": "r", "content": "same"}, "p2": {"reasoning": "", "content": "abcdef"}, "p3": {"content": "x"}}
     b = {"p1": {"reasoning": "r", "content": "same"}, "p2": {"reasoning": "", "content": "abcXef"}, "p3": {"content": "x"}}
-    cmp = evaluate.compare_outputs(a, b)
+    cmp = compare_outputs(a, b)
     assert cmp == {"compared": 3, "identical": 2, "mismatched_ids": ["p2"]}
-    ex = evaluate.mismatch_examples(cmp["mismatched_ids"], a, b)
+    ex = mismatch_examples(cmp["mismatched_ids"], a, b)
     assert ex[0]["id"] == "p2" and ex[0]["first_difference_at_char"] == len("\n----\n") + 3
 
 
@@ -217,7 +220,7 @@ def run_env(tmp_path, monkeypatch):
             env.started.append({"speculative": speculative, "server": server})
             yield server
 
-    monkeypatch.setattr(evaluate, "target_server", fake_target_server)
+    monkeypatch.setattr(serve, "target_server", fake_target_server)
     return env
 
 
@@ -250,7 +253,7 @@ def test_stage_report_schema_values_and_resume(run_env, capsys):
     tp = report["throughput"]
     assert tp["with_draft"]["output_tokens"] == tp["without_draft"]["output_tokens"] == 4 * 12
     assert tp["speedup"] == pytest.approx(tp["with_draft"]["tokens_per_s"] / tp["without_draft"]["tokens_per_s"], rel=1e-3)
-    assert report["complete"] is True and report["draft_sha256"] == evaluate.draft_fingerprint(run_env.final)
+    assert report["complete"] is True and report["draft_sha256"] == draft_fingerprint(run_env.final)
     assert set(report["sampling"]) == {"temperature", "max_tokens", "concurrency", "enable_thinking"}
     assert (run / "eval" / "report.png").stat().st_size > 5_000
     rows = [json.loads(line) for line in (run / "eval" / "outputs.jsonl").read_text().splitlines()]
@@ -428,7 +431,8 @@ def test_requests_carry_generate_extra_body_like_01b(run_env):
 
 
 def test_an_engine_that_dies_on_the_warm_up_request_is_one_error(run_env):
-    """Issue 18, case 19: openai.APIConnectionError traceback."""
+    """An engine that drops the warm-up request is one error line naming the server's log, not an
+    openai.APIConnectionError traceback, and no report is written."""
     run_env.die_on_chat = True
     with pytest.raises(PipelineError, match="failed its warm-up request \\(APIConnectionError: .*see its log under run_dir/logs/"):
         evaluate.run_stage(run_env.cfg)
@@ -450,9 +454,9 @@ def _api_servers_of(pid: int) -> list:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_path):
-    """Issue 18, case 3: a SIGKILL of 05 left its api_server running (on the user's box ~70 GB per GPU, so
-    the rerun could not start). Killed while its server starts, twice: nothing of ours is left within 10 s,
-    and the rerun gets as far as starting its own server again."""
+    """A SIGKILL of 05 takes its vLLM api_server with it (one left running holds its GPU memory, ~70 GB per GPU
+    at Kimi scale, and the rerun cannot start). Killed while its server starts, twice: nothing of ours is left
+    within 10 s, and the rerun gets as far as starting its own server again."""
     import os
     import signal
     import time
@@ -492,7 +496,7 @@ def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_pa
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-# ----------------------------------------------------------------------------- which draft, which prediction (issue 25)
+# ----------------------------------------------------------------------------- which draft, which prediction
 
 
 def eval_row(step: int, al: float, per_position: list[float]) -> dict:
@@ -502,9 +506,9 @@ def eval_row(step: int, al: float, per_position: list[float]) -> dict:
 
 
 def test_05_compares_each_draft_with_its_own_prediction(run_env, tmp_path, capsys):
-    """Issue 25, case 9: `--draft RUN/train/best` was compared with the final draft's prediction. The draft is
-    recognised by its weights (at any path), its step read from its export, and 04's eval at that step is the
-    prediction; a draft 04 did not export gets none, and the report says so."""
+    """`--draft RUN/train/best` is compared with the best checkpoint's prediction, never the final draft's. The
+    draft is recognised by its weights (at any path), its step read from its export, and 04's eval at that step is
+    the prediction; a draft 04 did not export gets none, and the report says so."""
     run, train = run_env.run, run_env.run / "train"
     at_20, at_40 = eval_row(20, 2.2, [0.7, 0.4, 0.1]), eval_row(40, 1.8, [0.5, 0.2, 0.1])
     (train / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (at_20, at_40)))
@@ -573,8 +577,8 @@ BROKEN_DRAFT_CONFIGS = {
 
 @pytest.mark.parametrize("case", list(BROKEN_DRAFT_CONFIGS))
 def test_05_refuses_a_broken_draft_config_before_vllm_and_before_overwrite_deletes(run_env, case):
-    """Issue 25, case 14 (a truncated draft config.json was 26 lines: the error and vLLM's traceback), and the
-    --overwrite audit: 05 refuses it in one line before it deletes the previous eval/ outputs."""
+    """A broken draft config.json (truncated, a key missing, not an object) is one error line from 05, before vLLM
+    sees it (no vLLM traceback) and before --overwrite deletes the previous eval/ outputs."""
     from tests.helpers import error_line, run_stage as run_cli
 
     assert evaluate.run_stage(run_env.cfg) == 0
@@ -589,9 +593,8 @@ def test_05_refuses_a_broken_draft_config_before_vllm_and_before_overwrite_delet
 
 
 def test_05_refuses_a_draft_trained_on_other_aux_layers(run_env, tmp_path, capsys):
-    """Issue 25, case 15: a draft whose eagle_aux_hidden_state_layer_ids differ from this run's extraction
-    was measured and reported against this run's prediction. Refused in one line; --foreign-draft measures
-    it, without this run's prediction."""
+    """A draft whose eagle_aux_hidden_state_layer_ids differ from this run's extraction is refused in one line
+    (this run's prediction says nothing about it); --foreign-draft measures it, without this run's prediction."""
     from tests.helpers import error_line, run_stage as run_cli
 
     (run_env.run / "hidden").mkdir()

@@ -16,8 +16,11 @@ import pytest
 
 from common.core.config import config_from_dict
 from common.core.errors import ConfigError, DataError
+from common.evaluate import serve
 from common.evaluate import stage as evaluate
+from common.evaluate.compare import run_compare
 from common.evaluate.prompt_sets import load_prompt_sets
+from common.evaluate.report import set_part
 from tests.evaluate.test_evaluate import RunEnv, cli_config, run_env, write_draft  # noqa: F401 (run_env: a fixture)
 from tests.helpers import FakeVllm, error_line, run_stage as run_cli
 
@@ -237,17 +240,17 @@ def test_compare_puts_two_drafts_side_by_side_on_the_same_prompts(run_env, tmp_p
             run_env.started.append({"speculative": speculative, "server": server, "log": log_path})
             yield server
 
-    monkeypatch.setattr(evaluate, "target_server", fake_target_server)
+    monkeypatch.setattr(serve, "target_server", fake_target_server)
     files = benchmark_files(tmp_path)
     cfg = with_sets(run_env.cfg, {"mt_bench": str(files["mt_bench"]), "humaneval": str(files["humaneval"])})
     assert evaluate.run_stage(cfg) == 0  # a plain run first: --compare must leave its report alone
     plain = plain_files(run_env.run)
     n = len(run_env.started)
 
-    assert evaluate.run_stage(cfg, compare=[str(run_env.final), str(weaker)]) == 0
+    assert run_compare(cfg, [str(run_env.final), str(weaker)]) == 0
     # one server per draft, the same settings; the target-alone baselines of the plain run are reused
     started = run_env.started[n:]
-    assert [s["speculative"] for s in started] == [evaluate.speculative_config(cfg, run_env.final), evaluate.speculative_config(cfg, weaker)]
+    assert [s["speculative"] for s in started] == [serve.speculative_config(cfg, run_env.final), serve.speculative_config(cfg, weaker)]
     assert [s["log"].name for s in started] == ["vllm_compare_a.log", "vllm_compare_b.log"]
     sent = [sorted((body["messages"][-1]["content"], body["max_tokens"]) for body in s["server"].requests) for s in started]
     assert sent[0] == sent[1] and len(sent[0]) == 1 + 4 + 3 + 2  # the same prompts (2 in flight: in any order)
@@ -275,9 +278,9 @@ def test_compare_puts_two_drafts_side_by_side_on_the_same_prompts(run_env, tmp_p
 
     # Again: already complete, no server; the other order is another comparison, measured again.
     n = len(run_env.started)
-    assert evaluate.run_stage(cfg, compare=[str(run_env.final), str(weaker)]) == 0
+    assert run_compare(cfg, [str(run_env.final), str(weaker)]) == 0
     assert "already complete" in capsys.readouterr().out and len(run_env.started) == n
-    assert evaluate.run_stage(cfg, compare=[str(weaker), str(run_env.final)]) == 0
+    assert run_compare(cfg, [str(weaker), str(run_env.final)]) == 0
     assert json.loads((run_env.run / "eval" / "compare" / "report.json").read_text())["acceptance_length"]["held_out"]["b_minus_a"] \
         == pytest.approx(0.1)
 
@@ -318,7 +321,7 @@ def test_real_vllm_compare_of_two_drafts_on_three_benchmark_sets(tiny_target_dir
     benchmark-shaped sets, three servers (one per draft, one of the target alone). Both drafts are measured on every
     set with the number of prompts read, greedy outputs identical with and without either draft."""
     from conftest import TINY_REASONING_PARSER
-    from tests.helpers import train_env, write_yaml
+    from tests.helpers import stage_env, write_yaml
 
     run = tmp_path / "run"
     write_jsonl(run / "data" / "prompts.jsonl", [
@@ -331,7 +334,7 @@ def test_real_vllm_compare_of_two_drafts_on_three_benchmark_sets(tiny_target_dir
         "evaluate": {"num_prompts": 3, "max_tokens": 24, "concurrency": 4,
                      "prompt_sets": {name: str(path) for name, path in sets.items()}},
         "server": {"max_model_len": 1024, "enforce_eager": True, "reasoning_parser": TINY_REASONING_PARSER}})
-    res = run_cli("05_evaluate.py", cfg, "--compare", *map(str, drafts), env=train_env(), timeout=1200)
+    res = run_cli("05_evaluate.py", cfg, "--compare", *map(str, drafts), env=stage_env(), timeout=1200)
     assert res.returncode == 0, res.stderr[-5000:]
     comparison = json.loads((run / "eval" / "compare" / "report.json").read_text())
     assert {name: s["num_prompts"] for name, s in comparison["prompt_sets"].items()} == {
@@ -339,7 +342,7 @@ def test_real_vllm_compare_of_two_drafts_on_three_benchmark_sets(tiny_target_dir
     for label, report in comparison["reports"].items():
         print(label, {name: round(comparison["acceptance_length"][name][label], 3) for name in comparison["prompt_sets"]})
         for name in comparison["prompt_sets"]:
-            part = evaluate.set_part(report, name)
+            part = set_part(report, name)
             assert part["counters"]["num_drafts"] > 0 and 1.0 <= part["acceptance_length"] <= 4.0
             assert part["outputs"]["identical"] == part["outputs"]["compared"] == part["num_prompts"], (label, name, part["outputs"])
         assert report["offline"] is None and report["offline_missing"]

@@ -1,0 +1,247 @@
+"""05's report: one draft's measurement put together, written, and read back as summary lines.
+
+- `build_report`: per prompt set, vLLM's acceptance (common.evaluate.serve), the tokens/s with and
+  without the draft, and whether the outputs are identical (at temperature 0 they must be: speculative
+  decoding is lossless; mismatches are counted and shown, never hidden); 04's prediction for the draft
+  (common.evaluate.draft) with its relative error; with evaluate.replay_served, the replay over the exact
+  token ids vLLM served (the same text on both sides: it checks the replay itself).
+- `write_report`: the plot (common.evaluate.plots), then report.json; a warning per set whose greedy
+  outputs differ.
+- `summary_lines`: the held-out set's line (with the prediction), then one line per prompt set.
+
+The held-out prompts' numbers are the report's top level; every other set's are under
+report["prompt_sets"][name] (`set_part` reads either).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from common.core.config import Config
+from common.core.errors import PipelineError
+from common.core.io import atomic_write_json, write_jsonl_atomic
+from common.core.run_folder import HELD_OUT, OTHER, Layout
+from common.evaluate.draft import CheckedDraft, draft_fingerprint
+from common.evaluate.prompt_sets import PromptSet
+from common.evaluate.serve import DraftRun, PromptRun, sampling_params
+
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where one draft's measurement is written: eval/ for a plain run, eval/compare/ for each draft of --compare."""
+
+    report: Path
+    plot: Path
+    outputs_of: Callable[[str], Path]  # a prompt set's outputs with and without the draft
+
+
+# ----------------------------------------------------------------------------- outputs with and without the draft
+
+
+def compare_outputs(with_draft: dict[str, dict], without_draft: dict[str, dict]) -> dict:
+    """Count prompts whose outputs (reasoning + content + finish reason) agree exactly."""
+    ids = [pid for pid in with_draft if pid in without_draft]
+    mismatched = []
+    for pid in ids:
+        a, b = with_draft[pid], without_draft[pid]
+        if (a.get("reasoning"), a.get("content")) != (b.get("reasoning"), b.get("content")):
+            mismatched.append(pid)
+    return {"compared": len(ids), "identical": len(ids) - len(mismatched), "mismatched_ids": mismatched}
+
+
+def _first_difference(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def mismatch_examples(ids: list[str], with_draft: dict, without_draft: dict, limit: int = 5) -> list[dict]:
+    """Where the first few mismatching outputs diverge, with some context."""
+    examples = []
+    for pid in ids[:limit]:
+        a = (with_draft[pid].get("reasoning") or "") + "\n----\n" + (with_draft[pid].get("content") or "")
+        b = (without_draft[pid].get("reasoning") or "") + "\n----\n" + (without_draft[pid].get("content") or "")
+        i = _first_difference(a, b)
+        examples.append({"id": pid, "first_difference_at_char": i,
+                         "with_draft": a[max(0, i - 40): i + 80], "without_draft": b[max(0, i - 40): i + 80]})
+    return examples
+
+
+# ----------------------------------------------------------------------------- building and writing the report
+
+
+def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: PromptRun, outputs_path: Path) -> dict:
+    """One prompt set's part of the report: acceptance, throughput, outputs with vs without the draft
+    (each prompt's both outputs written to outputs_path)."""
+    with_draft, without_draft = measured.run.outputs, baseline.outputs
+    comparison = compare_outputs(with_draft, without_draft)
+    write_jsonl_atomic(outputs_path, (
+        {"id": p["id"], "messages": p["messages"], "with_draft": with_draft[p["id"]],
+         "without_draft": without_draft.get(p["id"]), "identical": p["id"] not in comparison["mismatched_ids"]}
+        for p in prompts
+    ))
+    tps_with, tps_without = measured.run.tokens_per_s, baseline.tokens_per_s
+    return {
+        "num_prompts": len(prompts),
+        **measured.acceptance,
+        "throughput": {
+            "with_draft": measured.run.throughput(),
+            "without_draft": baseline.throughput(),
+            "speedup": round(tps_with / tps_without, 4) if tps_without else None,
+        },
+        "outputs": {
+            **comparison,
+            "greedy": cfg.evaluate.temperature == 0.0,
+            # At temperature 0 speculative decoding must not change the text.
+            "all_identical": comparison["identical"] == comparison["compared"],
+            "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft, without_draft),
+        },
+    }
+
+
+def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: CheckedDraft, key: dict,
+                 measured: dict[str, DraftRun], baselines: dict[str, PromptRun], files: ReportFiles) -> dict:
+    """One draft's report.json: the held-out set's numbers at the top level, the other sets' under "prompt_sets"."""
+    results = {name: set_results(cfg, s.prompts, measured[name], baselines[name], files.outputs_of(name))
+               for name, s in sets.items()}
+    prompt_sets = {name: {**s.describe(), **results[name],
+                          "files": {"outputs": str(files.outputs_of(name)), "baseline": str(layout.baseline_of(name))}}
+                   for name, s in sets.items() if name != HELD_OUT}
+    report = {
+        "version": REPORT_VERSION,
+        "complete": True,
+        "key": key,
+        "draft": str(draft.path),
+        "draft_sha256": draft.sha256,
+        "target": cfg.target.model,
+        "sampling": sampling_params(cfg),
+        **results[HELD_OUT],  # the held-out prompts: the headline numbers
+        "offline": draft.offline.prediction,
+        "offline_missing": draft.offline.missing,
+        "prompt_sets": prompt_sets,
+        # the name of evaluate.other_prompts' section before evaluate.prompt_sets, kept: the same as prompt_sets.other
+        "other_prompts": {"path": sets[OTHER].source, **prompt_sets[OTHER]} if OTHER in sets else None,
+        "files": {"report": str(files.report), "plot": str(files.plot), "outputs": str(files.outputs_of(HELD_OUT)),
+                  "baseline": str(layout.baseline)},
+        "created": time.time(),
+    }
+    report["offline_prediction_error"] = prediction_error(report)
+    if cfg.evaluate.replay_served:
+        report["replay_on_served"] = replay_on_served(cfg, draft.path, sets[HELD_OUT].prompts, measured[HELD_OUT])
+    return report
+
+
+def prediction_error(report: dict) -> Optional[float]:
+    """(offline prediction - vLLM measured) / measured, for the held-out prompts."""
+    predicted = (report.get("offline") or {}).get("expected_acceptance_length")
+    measured = report.get("acceptance_length")
+    if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured > 0:
+        return (predicted - measured) / measured
+    return None
+
+
+def replay_on_served(cfg: Config, draft: Path, prompts: list[dict], measured: DraftRun) -> dict:
+    """The replay over the very token sequences vLLM generated (evaluate.replay_served): with the same
+    text on both sides, what is left between it and vLLM's counters is the replay's own error."""
+    from common.evaluate.replay import replay_on_token_ids
+
+    outputs = measured.run.outputs
+    missing = [p["id"] for p in prompts if not outputs[p["id"]].get("completion_token_ids")
+               or not outputs[p["id"]].get("prompt_token_ids")]
+    if missing:
+        raise PipelineError(f"vLLM returned no token ids for {len(missing)} prompt(s) (first: {missing[0]}); "
+                            f"evaluate.replay_served needs vLLM >= 0.10 (return_token_ids), or set it to false")
+    sequences = [(outputs[p["id"]]["prompt_token_ids"], outputs[p["id"]]["completion_token_ids"]) for p in prompts]
+    result = replay_on_token_ids(cfg, draft, sequences, cfg.evaluate.num_speculative_tokens)
+    measured_al = measured.acceptance["acceptance_length"]
+    result["relative_error"] = (result["acceptance_length"] - measured_al) / measured_al
+    return result
+
+
+def write_report(layout: Layout, report: dict, files: ReportFiles) -> None:
+    """The plot, then report.json."""
+    from common.evaluate.plots import plot_report
+
+    plot_report(report, layout.metrics, files.plot)
+    atomic_write_json(files.report, report)
+    warn_mismatches(report, files.report)
+
+
+def warn_mismatches(report: dict, path: Path) -> None:
+    """A warning per prompt set whose greedy outputs differ with and without the draft."""
+    for name, part in ((HELD_OUT, report), *measured_sets(report).items()):
+        o = part["outputs"]
+        if o["greedy"] and o["identical"] != o["compared"]:
+            print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
+                  f"prompts, draft {report['draft']}) differ with and without the draft (see 'mismatch_examples' in {path})",
+                  file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- reading a report back
+
+
+def report_measures(cfg: Config, report: dict, draft_dir: Path) -> bool:
+    """Whether a 05 report measured the draft now in draft_dir: the same weights, whatever its path."""
+    try:
+        return report.get("draft_sha256") == draft_fingerprint(draft_dir, Layout.of(cfg))
+    except PipelineError:  # no draft there (any more)
+        return False
+
+
+def measured_sets(report: dict) -> dict[str, dict]:
+    """The report's prompt sets besides the held-out one (a report written before evaluate.prompt_sets: its other_prompts)."""
+    if "prompt_sets" in report:
+        return report["prompt_sets"] or {}
+    return {OTHER: report["other_prompts"]} if report.get("other_prompts") else {}
+
+
+def set_part(report: dict, name: str) -> dict:
+    """One prompt set's measurement in a report (the held-out set's is the top level)."""
+    return report if name == HELD_OUT else report["prompt_sets"][name]
+
+
+def set_summary(part: dict) -> str:
+    """One prompt set's numbers: acceptance length, per-position acceptance, tokens/s speedup, identical outputs."""
+    per_pos = "/".join(f"{r:.2f}" for r in part["per_position_acceptance"])
+    line = f"acceptance length {part['acceptance_length']:.2f} (k={part['num_speculative_tokens']}) | per-position {per_pos}"
+    speedup = part["throughput"].get("speedup")
+    if speedup is not None:
+        line += f" | {speedup:.2f}x tokens/s"
+    o = part["outputs"]
+    return line + f" | {o['identical']}/{o['compared']} outputs identical"
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The held-out set's line (with the offline prediction), then one line per prompt set."""
+    line = set_summary(report)
+    offline = report.get("offline") or {}
+    if isinstance(offline.get("expected_acceptance_length"), (int, float)):
+        line += f" | offline {offline.get('prediction', 'estimate')} {offline['expected_acceptance_length']:.2f}"
+        error = prediction_error(report)
+        if error is not None:
+            line += f" ({100 * error:+.1f}%)"
+    elif report.get("offline_missing"):
+        line += f" | no offline prediction for this draft ({report['offline_missing']})"
+    served = report.get("replay_on_served")
+    if served:
+        line += f" | replay on the served outputs {served['acceptance_length']:.2f} ({100 * served['relative_error']:+.1f}%)"
+    lines = [line]
+    for name, part in measured_sets(report).items():
+        skipped = sum((part.get("rows_skipped") or {}).values())
+        lines.append(f"prompt set {name} ({part['num_prompts']} prompts{f', {skipped} rows skipped' if skipped else ''}): "
+                     f"{set_summary(part)}")
+    return lines
+
+
+def print_lines(lines: list[str], before: str, after: str) -> None:
+    """05's summary: the first line with `before` and `after` around it, then one line per prompt set."""
+    print(f"05_evaluate: {before}{lines[0]}{after}")
+    for line in lines[1:]:
+        print(f"05_evaluate: {line}")

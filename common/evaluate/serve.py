@@ -1,0 +1,203 @@
+"""05's side of vLLM: the target's server, the timed requests, and the acceptance the counters give.
+
+- `target_server`: the target with the cfg.server settings, with or without the draft
+  (`speculative_config`: method eagle3, evaluate.num_speculative_tokens draft tokens).
+- `warm_up`, `run_prompts`: one untimed request, then a prompt set sent with evaluate's sampling
+  (evaluate.concurrency in flight) and timed: a `PromptRun`. The requests are common.serving.chat's,
+  01b's client and request body: generate.extra_body and generate.enable_thinking reach them too.
+- `measure_with_draft`: target + draft, each prompt set between its own pair of /metrics scrapes;
+  `acceptance_metrics` turns the counter delta into the report's numbers (the counter-delta method of
+  `vllm bench serve` and speculators' evaluate.py).
+
+The tests swap `target_server` and `_chat` for fakes: this module calls both by their names here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from common.core.config import Config
+from common.core.errors import PipelineError
+from common.core.run_folder import HELD_OUT, Layout
+from common.evaluate.prompt_sets import PromptSet
+from common.serving.chat import chat_request, make_client, parse_completion, served_model
+
+
+@dataclass
+class PromptRun:
+    """One prompt set sent to one server, timed. outputs: {prompt id: {"reasoning", "content",
+    "finish_reason", "usage", "latency_s"}} (+ vLLM's token ids with evaluate.replay_served), in prompt order."""
+
+    model: str
+    outputs: dict[str, dict]
+    wall_s: float
+    output_tokens: int
+    tokens_per_s: float
+
+    @classmethod
+    def from_json(cls, doc: dict) -> PromptRun:
+        """The run in a cached baseline file (its other entries, "key" and "created", left out)."""
+        return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls)})
+
+    def throughput(self) -> dict:
+        """The report's throughput entry of this run."""
+        return {"output_tokens": self.output_tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class DraftRun:
+    """One prompt set on the target + draft: the timed run and acceptance_metrics' numbers for its window."""
+
+    run: PromptRun
+    acceptance: dict
+
+
+def sampling_params(cfg: Config) -> dict:
+    """The sampling every request of 05 uses (a key of the report and of the baseline)."""
+    e = cfg.evaluate
+    return {"temperature": e.temperature, "max_tokens": e.max_tokens, "concurrency": e.concurrency,
+            "enable_thinking": cfg.generate.enable_thinking}
+
+
+# ----------------------------------------------------------------------------- acceptance from counters
+
+
+def acceptance_metrics(delta: dict, num_speculative_tokens: int) -> dict:
+    """The report's acceptance numbers from a counter delta (common.serving.vllm_server.metrics_delta).
+
+    acceptance length = 1 + accepted / drafts; per-position rate[i] = accepted_per_pos[i] / drafts
+    for i < k (positions vLLM never reported count as 0); draft acceptance rate = accepted / draft tokens.
+    """
+    drafts = delta["num_drafts"]
+    if drafts <= 0:
+        raise PipelineError(
+            "vLLM recorded no speculative drafts during the evaluation (spec_decode_num_drafts did not move); "
+            "check that the server runs with the draft (speculative_config) and that the prompts produced output"
+        )
+    if min(drafts, delta["num_draft_tokens"], delta["num_accepted_tokens"], *delta["num_accepted_tokens_per_pos"].values()) < 0:
+        raise PipelineError("vLLM's spec-decode counters went down between two scrapes (did the server restart?); rerun 05_evaluate.py")
+    per_pos = [float(delta["num_accepted_tokens_per_pos"].get(i, 0.0)) for i in range(num_speculative_tokens)]
+    return {
+        "acceptance_length": 1.0 + delta["num_accepted_tokens"] / drafts,
+        "per_position_acceptance": [v / drafts for v in per_pos],
+        "draft_acceptance_rate": delta["num_accepted_tokens"] / delta["num_draft_tokens"] if delta["num_draft_tokens"] else 0.0,
+        "num_speculative_tokens": num_speculative_tokens,
+        "counters": {
+            "num_drafts": int(round(drafts)),
+            "num_draft_tokens": int(round(delta["num_draft_tokens"])),
+            "num_accepted_tokens": int(round(delta["num_accepted_tokens"])),
+            "num_accepted_tokens_per_pos": [int(round(v)) for v in per_pos],
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def speculative_config(cfg: Config, draft_dir: Path) -> dict:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.evaluate.num_speculative_tokens}
+
+
+def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Optional[Path] = None):
+    """A VllmServer for cfg.target.model with the cfg.server settings (tensor parallel etc.).
+
+    The target runs in target.dtype (float32 for the tiny default), the dtype 02 extracts the
+    training features in, unless server.extra_args already sets --dtype; on CPU a float32 MLA
+    target gets the attention backend that runs it (cpu_attention_backend).
+    """
+    from common.serving.vllm_server import VllmServer, cpu_attention_backend
+
+    extra = list(cfg.server.extra_args)
+    given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in extra)  # noqa: E731
+    if not given("--dtype"):
+        extra += ["--dtype", cfg.target.dtype]
+    backend = cpu_attention_backend(cfg.target.model, cfg.target.dtype)
+    if backend and not given("--attention-backend"):
+        extra += ["--attention-backend", backend]
+    return VllmServer.from_config(cfg, speculative_config=speculative, log_path=log_path, extra_args=extra)
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def eval_client(cfg: Config, base_url: str):
+    """A blocking client of common.serving.chat for evaluate.concurrency threads, with openai-python's
+    2 retries (a timed measurement has no retry accounting of its own)."""
+    for name in ("httpx", "httpx2"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return make_client(cfg.generate, base_url, connections=cfg.evaluate.concurrency, blocking=True, max_retries=2)
+
+
+def _chat(cfg: Config, client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One request of common.serving.chat's: evaluate.temperature, generate.extra_body and
+    enable_thinking, and (evaluate.replay_served) the exact token ids the replay on the served outputs needs."""
+    t0 = time.monotonic()
+    resp = client.chat.completions.create(**chat_request(
+        cfg.generate, model, messages, max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
+        return_token_ids=cfg.evaluate.replay_served))
+    out = parse_completion(resp)
+    out["latency_s"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
+    """One short request, so that the timed run does not pay for first-request setup.
+
+    Call it before the first /metrics scrape: its drafts must not count.
+    """
+    import openai
+
+    client = eval_client(cfg, base_url)
+    try:
+        _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0]["messages"], 8)
+    except openai.OpenAIError as e:  # the engine died on its first request (out of memory, a bad draft, ...)
+        raise PipelineError(f"the vLLM server at {base_url} failed its warm-up request ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:200]}); it may have died: see its log under run_dir/logs/") from None
+
+
+def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "eval") -> PromptRun:
+    """Send every prompt (cfg.evaluate sampling, evaluate.concurrency in flight), timed."""
+    import openai
+    from tqdm import tqdm
+
+    client = eval_client(cfg, base_url)
+    model = cfg.generate.model or served_model(client)
+    outputs: dict[str, dict] = {}
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=cfg.evaluate.concurrency) as pool:
+        futures = {pool.submit(_chat, cfg, client, model, p["messages"], cfg.evaluate.max_tokens): p["id"] for p in prompts}
+        for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, mininterval=1.0):
+            try:
+                outputs[futures[fut]] = fut.result()
+            except openai.OpenAIError as e:
+                raise PipelineError(
+                    f"request for prompt {futures[fut]} to {base_url} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                    "see the vLLM server log under run_dir/logs/"
+                ) from None
+    wall = time.monotonic() - t0
+    tokens = sum(int(o["usage"].get("completion_tokens", 0)) for o in outputs.values())
+    return PromptRun(model=model, outputs={p["id"]: outputs[p["id"]] for p in prompts}, wall_s=round(wall, 3),
+                     output_tokens=tokens, tokens_per_s=round(tokens / wall, 2) if wall > 0 else 0.0)
+
+
+def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path,
+                       log_name: str = "vllm_eval_draft") -> dict[str, DraftRun]:
+    """Target + draft: each prompt set between its own pair of /metrics scrapes."""
+    from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
+
+    k = cfg.evaluate.num_speculative_tokens
+    measured = {}
+    with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log(log_name)) as server:
+        warm_up(cfg, server.base_url, sets[HELD_OUT].prompts)
+        for name, prompt_set in sets.items():
+            before = spec_decode_metrics(scrape_metrics(server.base_url))
+            run = run_prompts(cfg, server.base_url, prompt_set.prompts, desc=f"target + draft (k={k}, {name})")
+            after = spec_decode_metrics(scrape_metrics(server.base_url))
+            measured[name] = DraftRun(run, acceptance_metrics(metrics_delta(after, before), k))
+    return measured
