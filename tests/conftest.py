@@ -10,20 +10,18 @@
 - run_dir: a fresh run directory; write_config: writes a config YAML for a test run.
 - build_chat_tokenizer / build_slow_chat_tokenizer: small tokenizers with a given chat template
   (fast; or slow remote code, the shape of Kimi-K2.5's); KIMI_LIKE_TEMPLATE.
+- one_torch_thread: one intra-op thread for the test's duration.
+
+REPO and stage_env (a stage's subprocess environment) are in tests/helpers.py.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 # The reasoning parser that splits the tiny target's `<think>\n...\n</think>\n\n` output.
 TINY_REASONING_PARSER = "deepseek_r1"
@@ -244,15 +242,6 @@ def write_config(run_dir):
         return path
 
     return write
-
-
-def stage_env(**extra: str) -> dict:
-    """Environment for running a stage script as a subprocess from the repo root."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.update(extra)
-    return env
 
 
 @pytest.fixture

@@ -1,19 +1,24 @@
-"""Scaffolding that several test modules share: tiny random targets, a small stage-04 run
-(data, hidden states, vocab map) built by the real stage-02 code, and fake OpenAI-compatible
-servers. Import it as `from tests.helpers import ...` (pytest.ini puts the repo root on the path).
+"""Scaffolding that several test modules share: the repo root (REPO) and a stage's environment
+(stage_env), tiny random targets, a small stage-04 run (data, hidden states, vocab map) built by the
+real stage-02 code, SIGKILLs at random moments of a stage's work (kill_while_working), and fake
+OpenAI-compatible servers. Import it as `from tests.helpers import ...` (pytest.ini puts the repo root
+on the path).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable, Optional
 
 import yaml
 
@@ -28,6 +33,20 @@ AUX_IDS = [1, 2, 3]
 def write_yaml(path: Path, tree: dict) -> Path:
     path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return path
+
+
+def stage_env(**extra: str) -> dict:
+    """The environment of a stage (or any repo code) run as a subprocess: the repo importable, one intra-op
+    thread (tiny models on a shared machine: faster, and the kernels of an in-process run under the
+    one_torch_thread fixture, so the bytes they write are the same), quiet tokenizers, no WORLD_SIZE left by
+    a launcher; `extra` on top."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("WORLD_SIZE", None)
+    env.update(extra)
+    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +180,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def last_logged(run_dir: Path, key: str = "step") -> float:
+    """`key` of the newest train line in metrics.jsonl, 0 before the first (read while 04 writes it: a torn
+    last line is skipped)."""
+    try:
+        lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("type") == "train":
+            return row[key]
+    return 0
+
+
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """Steps of the complete checkpoints in run_dir, ascending."""
     from common.core.run_folder import Layout
@@ -186,12 +222,117 @@ def train_cmd(cfg_path: Path, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg_path), *extra]
 
 
-def train_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("WORLD_SIZE", None)
-    return env
+# ---------------------------------------------------------------------------------------------
+# SIGKILL at random moments of a stage's work
+# ---------------------------------------------------------------------------------------------
+
+
+def start_in_own_group(cmd: list[str], log: Optional[Path] = None, env: Optional[dict] = None) -> subprocess.Popen:
+    """Start cmd from the repo root in a process group of its own (what kill_tree kills), its output appended
+    to `log` (or dropped)."""
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(cmd, cwd=REPO, env=env or stage_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        if log:
+            out.close()
+
+
+def kill_tree(proc: subprocess.Popen) -> list:
+    """SIGKILL proc, its process group and each of its descendants (torchrun's ranks have sessions of their own)
+    at once; returns the psutil processes it hit ([] when proc had already exited)."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        hit = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+    if proc.poll() is not None:
+        return []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in hit:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return hit
+
+
+def cpu_seconds(proc: Optional[subprocess.Popen]) -> float:
+    """The CPU seconds (user + system) proc and its descendants have used: how far a run got where its work
+    leaves no sign on disk until the end (start-up, a stage that writes its outputs whole). A loaded machine
+    stretches a run's wall time, not this. 0 before the run starts (proc None)."""
+    import psutil
+
+    if proc is None:
+        return 0.0
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def kill_while_working(start: Callable[[], subprocess.Popen], progress: Callable[[Optional[subprocess.Popen]], float],
+                       end: float | Callable[[], float], rng: random.Random, kills: int = 1, *, begin: float = 0.0,
+                       jitter_s: float = 0.0, after_each: Callable[[list], None] = lambda killed: None,
+                       running: Optional[subprocess.Popen] = None, max_runs: Optional[int] = None,
+                       timeout_s: float = 900.0) -> int:
+    """SIGKILL a stage `kills` times while it works, at moments drawn from the work still left; returns the kills
+    that landed (a run that finished before its kill does not count).
+
+    start() starts the victim in a process group of its own (start_in_own_group); `running` is a victim already
+    started. progress(victim) is the work done so far as a sign on disk shows it (shards written, logged steps,
+    checkpoints) or as cpu_seconds(victim); progress(None) is what is done before a run starts. `end` is where
+    the work ends, in the same unit (a number, or a function read before each run). Each run draws its kill
+    point uniformly from the progress at its start (or `begin`, if later) to a 1/k share of the way to `end`
+    (k: the kills still to land, so that each of them finds work left), waits until progress reaches it, then a
+    random 0..jitter_s s more (so that kills also land inside a write), and kills the victim's whole tree
+    (kill_tree). A victim that finished first is started again while work is left, up to max_runs runs
+    (default: 3 per kill). after_each(killed) follows every run: the processes the kill hit, [] when it missed.
+    """
+    landed = runs = 0
+    victim = running
+    while landed < kills and runs < (max_runs or 3 * kills):
+        stop = end() if callable(end) else end
+        if victim is None:
+            if progress(None) >= stop:
+                break  # the work is done: nothing left to kill
+            victim = start()
+        runs += 1
+        lo = max(progress(victim), begin)
+        point = lo + rng.uniform(0.0, max(0.0, stop - lo) / (kills - landed))
+        deadline = time.monotonic() + timeout_s
+        while victim.poll() is None and progress(victim) < point:
+            if time.monotonic() > deadline:
+                kill_tree(victim)
+                raise AssertionError(f"{victim.args}: no progress to {point:g} (of {stop:g}) within {timeout_s:g} s")
+            time.sleep(0.005)
+        if jitter_s:
+            time.sleep(rng.uniform(0.0, jitter_s))
+        hit = kill_tree(victim) if lo < stop else []  # nothing left to do: let it finish
+        victim.wait(timeout=120)
+        if victim.returncode == -signal.SIGKILL:
+            landed += 1
+        else:
+            assert victim.returncode == 0, f"{victim.args} exited {victim.returncode} before its kill"
+            hit = []
+        after_each(hit)
+        victim = None
+    return landed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +461,7 @@ class FakeVllm(LocalHttpServer):
 
 def run_stage(script: str, cfg: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / script), "--config", str(cfg), *args], cwd=REPO,
-                          env=env or train_env(), capture_output=True, text=True, timeout=timeout)
+                          env=env or stage_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def error_line(res, *fragments: str) -> str:
@@ -347,16 +488,7 @@ with stage_lock(sys.argv[1], sys.argv[2]):
 
 
 def hold_lock(run_dir: Path, stage: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), stage], cwd=REPO, env=train_env(),
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), stage], cwd=REPO, env=stage_env(),
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for a process group or a server started next)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

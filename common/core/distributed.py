@@ -5,7 +5,7 @@ then a no-op, so the stages never branch on "am I distributed" around a collecti
     env = init_distributed()            # 04: nccl on GPU, gloo on CPU
     env = init_distributed("gloo", timeout=timedelta(days=7))   # 02: coordination only
     try:
-        setup = broadcast_object(setup if env.is_main else None, env)
+        due = on_rank0(lambda: survey(...), env)   # rank 0 decides (reads, hashes), every rank gets it
         ...
         barrier(env)
     finally:
@@ -78,15 +78,6 @@ def close_distributed(env: DistEnv) -> None:
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()
-
-
-def broadcast_object(obj, env: DistEnv):
-    """Rank 0's `obj` (any picklable object) on every rank."""
-    if not env.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 _ON_RANK0_CALLS = itertools.count()  # every rank calls on_rank0 in the same order: the n-th call's key

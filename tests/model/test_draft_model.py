@@ -415,7 +415,7 @@ KIMI_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings":
 @pytest.mark.parametrize("scaling", [KIMI_YARN, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
                                      {"rope_type": "linear", "factor": 2.0}])
 def test_scaled_rope_matches_what_vllm_builds_from_the_exported_config(scaling):
-    """Issue 17: the draft trains with the rotary vLLM builds from its exported config.json (transformers reads
+    """The draft trains with the rotary vLLM builds from its exported config.json (transformers reads
     rope_scaling into rope_parameters, vLLM's get_rope builds the rotary from those), at positions past 8192."""
     from types import SimpleNamespace
 

@@ -282,9 +282,10 @@ def test_works_through_a_ddp_wrapper(tmp_path):
 
 
 def test_checkpointed_steps_keep_no_teacher_copy_until_backward():
-    """Issue 17, item 4: each TTT step handed `teacher_logp[rows]` (a fresh [rows, V_d] float32 copy) into
-    checkpoint(), which keeps its inputs until backward. Counted with autograd's saved-tensor hooks: the bytes
-    saved for backward in [*, V_d] float32 tensors other than the teacher itself stay below one such copy."""
+    """A checkpointed TTT step keeps no copy of the teacher until backward (handing `teacher_logp[rows]`, a fresh
+    [rows, V_d] float32 copy, into checkpoint() would keep one per step). Counted with autograd's saved-tensor
+    hooks: the bytes saved for backward in [*, V_d] float32 tensors other than the teacher itself stay below one
+    such copy."""
     seq = [40, 33, 28]  # T = 101: the attention mask [T, T] is not mistaken for a [*, V_D] tensor
     aux, ids, final, loss_mask, pos, lm_head = make_batch(seq, seed=5)
     model = make_model(seed=2)

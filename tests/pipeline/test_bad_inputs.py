@@ -43,11 +43,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, stage_env
-from fault_server import FaultServer, Faults
 
 from common.core.io import iter_jsonl
-from tests.helpers import clone_run, error_line, write_yaml
+from tests.fault_server import FaultServer, Faults
+from tests.helpers import REPO, clone_run, error_line, stage_env, write_yaml
 
 PYTHON = sys.executable
 VOCAB = 256
@@ -742,7 +741,7 @@ def test_disk_full_while_01b_appends_responses(cli, tmp_path, tmpfs, chat_tokeni
         res = cli("01b_generate_synthetic.py", "--config", cfg, pre=fill_before(fs, "common.core.io:JsonlAppender.write", nth=10))
         error_line(res, "No space left on device")
         raw_path = run / "data" / "raw_responses.jsonl"
-        from common.data.generate import load_done
+        from common.data.generate_files import load_done
 
         done, dupes = load_done(raw_path)
         assert 0 < len(done) < len(prompts) and dupes == 0
@@ -770,7 +769,7 @@ def test_disk_full_while_02_writes_a_shard(cli, tmp_path, tmpfs, weights_target)
     reference = {p.name: p.read_bytes() for p in (tmp_path / "ref" / "hidden").glob("shard-*.safetensors")}
     assert len(reference) >= 4
 
-    res = cli("02_extract_hidden.py", "--config", cfg, pre=fill_before(fs, "common.extract.stage:write_shard", nth=3))
+    res = cli("02_extract_hidden.py", "--config", cfg, pre=fill_before(fs, "common.extract.shard_loop:write_shard", nth=3))
     error_line(res, "No space left on device")
     hidden = fs.path / "run" / "hidden"
     index = json.loads((hidden / "index.json").read_text())
@@ -809,12 +808,12 @@ def test_disk_full_while_04_writes_a_checkpoint(cli, tmp_path, tmpfs, hidden_run
     assert not no_temp_files(run / "train")
 
 
-# ============================================================================ issue 18: cases 8-11 (hostile JSON)
+# ============================================================================ hostile JSON
 
 
 def test_01_lone_surrogates_and_deep_nesting_are_counted_skips(cli, tmp_path):
-    """Cases 8 and 9: "\\ud800" (valid JSON, not text) gave a UnicodeEncodeError traceback, a 200k-deep
-    nested line a RecursionError traceback."""
+    """A lone surrogate ("\\ud800": valid JSON, not text) and a 200k-deep nested line are counted skips with their
+    reason, not a UnicodeEncodeError or RecursionError traceback."""
     surrogate = b'{"messages": [{"role": "user", "content": "broken \\ud800 text"}]}'
     deep = b"[" * 200_000 + b"]" * 200_000
     res, report, prompts = prepare(cli, tmp_path, [surrogate, deep])
@@ -833,7 +832,7 @@ def test_01b_refuses_a_lone_surrogate_with_one_line(cli, tmp_path, chat_tokenize
 
 @pytest.mark.parametrize("layout", ["jsonl", "json_array"])
 def test_01_utf8_bom_is_read_not_dropped(cli, tmp_path, layout):
-    """Case 11: a BOM dropped the first JSONL row silently and made a pretty-printed JSON array unreadable."""
+    """A UTF-8 BOM is read past: the first JSONL row is kept, a pretty-printed JSON array is readable."""
     if layout == "jsonl":
         src = tmp_path / "source.jsonl"
         src.write_bytes(b"\xef\xbb\xbf" + b"\n".join(json.dumps(r).encode() for r in GOOD_SOURCE) + b"\n")
@@ -848,7 +847,8 @@ def test_01_utf8_bom_is_read_not_dropped(cli, tmp_path, layout):
 
 @pytest.mark.parametrize("content", [b"", b"name,text\na,b\n", b"PAR1 truncated in the middle"])
 def test_01_a_parquet_name_on_other_bytes_is_one_error_line(cli, tmp_path, content):
-    """Case 10: pyarrow's traceback."""
+    """A .parquet name on other bytes (empty, CSV, a cut file) is one error line naming the file, not pyarrow's
+    traceback."""
     src = tmp_path / "source.parquet"
     src.write_bytes(content)
     cfg = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run"), "data": {"source": str(src)}})
@@ -857,7 +857,7 @@ def test_01_a_parquet_name_on_other_bytes_is_one_error_line(cli, tmp_path, conte
 
 
 def test_run_pipeline_on_a_read_only_run_dir_is_one_error_line(tmp_path, tmpfs):
-    """Issue 18, case 14: an OSError traceback from run_pipeline's `finally`."""
+    """A read-only run_dir is one error line from run_pipeline, not an OSError traceback from its `finally`."""
     fs = tmpfs("4m")
     res = subprocess.run(["mount", "-o", "remount,ro", str(fs.path)], capture_output=True, text=True)
     if res.returncode != 0:
@@ -869,10 +869,10 @@ def test_run_pipeline_on_a_read_only_run_dir_is_one_error_line(tmp_path, tmpfs):
 
 
 def test_run_pipeline_on_a_complete_run_on_a_read_only_mount_is_one_error_line(tmp_path, tmpfs):
-    """Issue 25, case 4: a run whose logs/ already exist got past run_pipeline's mkdir and died with an
-    OSError traceback opening the first stage's log. Every stage writes (its log, lock and record) even
-    when complete, so run_pipeline tries a write first and refuses in one line. A real read-only mount:
-    a tmpfs holding a finished run's folder, remounted read-only (we run as root: chmod would not stop us)."""
+    """A finished run on a read-only mount (its logs/ already there, so no mkdir fails): every stage writes (its
+    log, lock and record) even when complete, so run_pipeline tries a write first and refuses in one line,
+    changing nothing. A real read-only mount: a tmpfs holding a finished run's folder, remounted read-only
+    (we run as root: chmod would not stop us)."""
     fs = tmpfs("4m")
     run = fs.path / "run"
     finished = {f"logs/{stage}.log": f"# {stage}: done\n" for stage in ("01_prepare_data", "04_train", "05_evaluate")}
@@ -895,7 +895,7 @@ def test_run_pipeline_on_a_complete_run_on_a_read_only_mount_is_one_error_line(t
 
 
 def test_01b_a_server_that_answers_html_is_one_error_line(cli, tmp_path, chat_tokenizer_dir):
-    """Issue 18, case 16: GET /v1/models answered 200 text/html (a web page at base_url): AttributeError."""
+    """GET /v1/models answered 200 text/html (a web page at base_url): one error line, nothing generated."""
     import http.server
     import threading
 
@@ -927,7 +927,7 @@ def test_01b_a_server_that_answers_html_is_one_error_line(cli, tmp_path, chat_to
 
 
 def test_escape_sequences_in_user_data_are_printed_escaped(cli, tmp_path, config_only_target):
-    """Issue 18, case 20: a sample id with terminal escapes (set the title, clear the screen) was printed raw."""
+    """A sample id with terminal escapes (set the title, clear the screen) is printed escaped, never raw."""
     evil = "s\x1b]0;pwned\x07\x1b[2J\u202e"
     cfg = tokenized_run(tmp_path, config_only_target, [GOOD_ROWS[0], {"id": evil, "input_ids": [], "loss_mask": []}])
     res = cli("02_extract_hidden.py", "--config", cfg)
@@ -937,7 +937,8 @@ def test_escape_sequences_in_user_data_are_printed_escaped(cli, tmp_path, config
 
 
 def test_01b_redoes_what_a_damaged_raw_responses_tail_lost(cli, tmp_path, chat_tokenizer_dir):
-    """Issue 18, case 22: after the tail of raw_responses.jsonl was cut, 01b said "already complete"."""
+    """With the tail of raw_responses.jsonl cut, 01b checks the file again and asks for the lost prompt only
+    (never "already complete")."""
     prompts = [prompt(i) for i in range(6)]
     write_prompts(tmp_path, prompts)
     with FaultServer() as server:
@@ -959,9 +960,10 @@ def test_01b_redoes_what_a_damaged_raw_responses_tail_lost(cli, tmp_path, chat_t
 
 
 def test_01b_failures_a_rerun_cannot_fix_are_not_retried_or_called_retryable():
-    """Issue 18, case 22: a request that cannot be encoded was retried six times and reported as "rerun to retry"."""
+    """A request that cannot be encoded is not retryable: it is neither retried nor reported as "rerun to retry"."""
     from common.core.run_folder import Layout
-    from common.data.generate import classify, failed_advice
+    from common.data.generate import failed_advice
+    from common.data.generate_requests import classify
 
     failure = classify(UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"))
     assert not failure.retryable and failure.reason.startswith("the request cannot be encoded")
@@ -972,8 +974,8 @@ def test_01b_failures_a_rerun_cannot_fix_are_not_retried_or_called_retryable():
 
 
 def test_01b_timeout_s_is_a_total_deadline_per_request(cli, tmp_path, chat_tokenizer_dir):
-    """Issue 18, case 5: a server that sends its answer one byte a second kept 01b past generate.timeout_s
-    (httpx's timeout is per read). Every attempt now ends at timeout_s."""
+    """Against a server that sends its answer a byte at a time (each byte well inside httpx's per-read timeout),
+    every attempt of 01b ends at generate.timeout_s."""
     import time
 
     prompts = [prompt(i) for i in range(2)]

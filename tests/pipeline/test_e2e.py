@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
+from tests.fault_server import FaultServer
+from tests.helpers import REPO, error_line
+
+TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 # The e2e tests run configs/tiny.yaml exactly as the demo does (its training is sized for 2
 # cores: measured vLLM acceptance length 3.45 for llama, 3.22 for qwen3; README).
@@ -34,10 +36,10 @@ TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 def run_pipeline(run: Path, *args: str, timeout: float = 1500, log_name: str = "pipeline",
                  config: Path = TINY_CONFIG) -> tuple[int, str]:
     log = run.parent / f"{run.name}-{log_name}.log"
-    cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(config),
+    cmd = [sys.executable, str(REPO / "run_pipeline.py"), "--config", str(config),
            "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}", *args]
     with open(log, "wb") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
     return proc.returncode, log.read_text(encoding="utf-8", errors="replace")
 
 
@@ -115,7 +117,7 @@ def test_pipeline_tiny_deepseek_v3_through_vllm(tmp_path):
     is 04's replay of vLLM's acceptance rule on the held-out samples (docs/design.md)."""
     run = tmp_path / "deepseek"
     code, out = run_pipeline(run, "--tiny-target", "deepseek_v3", "--stop-after", "04_train",
-                             config=ROOT / "configs" / "tiny-deepseek.yaml")
+                             config=REPO / "configs" / "tiny-deepseek.yaml")
     assert code == 0, out[-5000:]
     assert json.loads((run / "target" / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
     assert "extract.backend vllm" in (run / "logs" / "02_extract_hidden.log").read_text()
@@ -131,10 +133,10 @@ def test_sigterm_while_serving_stops_the_vllm_server(tmp_path):
     """SIGTERM (like Ctrl-C) once the generation server is up: exit 130, no vLLM process left."""
     run = tmp_path / "term"
     log = tmp_path / "term-pipeline.log"
-    cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG), "--tiny-target", "llama",
+    cmd = [sys.executable, str(REPO / "run_pipeline.py"), "--config", str(TINY_CONFIG), "--tiny-target", "llama",
            "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 900
             while not (m := re.search(r"vLLM ready at http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))):
@@ -182,17 +184,13 @@ def test_failing_stage_is_named_with_its_log(tmp_path):
 
 
 def test_a_foreign_server_on_server_port_stops_the_pipeline(tmp_path):
-    """Issue 18, case 1: another HTTP server on server.port (one that answers like vLLM) is never taken
+    """Another HTTP server on server.port (one that answers like vLLM) is never taken
     for the server run_pipeline starts: exit 2, one error line, nothing sent to it, no generation."""
-    sys.path.insert(0, str(ROOT))
-    from tests.fault_server import FaultServer
-    from tests.helpers import error_line
-
     run = tmp_path / "run"
     with FaultServer(model=str(run / "target")) as other:
-        cmd = [sys.executable, str(ROOT / "run_pipeline.py"), "--config", str(TINY_CONFIG), "--tiny-target", "llama",
+        cmd = [sys.executable, str(REPO / "run_pipeline.py"), "--config", str(TINY_CONFIG), "--tiny-target", "llama",
                "--set", f"run_dir={run}", "--set", f"target.model={run / 'target'}", "--set", f"server.port={other.port}"]
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         line = error_line(res, f"port {other.port} on 127.0.0.1 is already in use by another process", "server.port: 0")
         assert other.stats.chat_requests == 0, line
     assert "run_pipeline: stopped in 01b_generate_synthetic" in res.stderr
@@ -225,7 +223,7 @@ def test_interrupt_stops_the_stage_process_group(tmp_path):
     """))
     driver = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT)!r})
+        sys.path.insert(0, {str(REPO)!r})
         import run_pipeline
         try:
             run_pipeline.run_logged("stage", [sys.executable, {str(stage)!r}], __import__("pathlib").Path({str(tmp_path / "stage.log")!r}))

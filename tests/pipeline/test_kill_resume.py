@@ -11,56 +11,51 @@ Which stage is covered where:
 plus: temp files that a kill leaves behind (`.tmp-*` next to an atomically written file) are
 removed by the next run, so repeated kills cannot fill the disk.
 
-Every run is a fresh `python NN_stage.py` subprocess, killed with SIGKILL at a moment drawn
-uniformly from [0, duration of an uninterrupted run] (seeded), so kills land in start-up, in
-the work and in the final writes. After every kill the outputs must be either absent or
-complete and correct (never half-written under a final name).
+Every run is a fresh `python NN_stage.py` subprocess, SIGKILLed (tests/helpers.py kill_while_working)
+at a moment drawn uniformly (seeded) from its work: for 01 and 03, which write their outputs whole, from
+the CPU seconds of an uninterrupted run; for 05, from the requests left to answer. So kills land in
+start-up, in the work and in the final writes, however loaded the machine. After every kill the outputs
+must be either absent or complete and correct (never half-written under a final name).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import signal
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, stage_env
+
+from tests.helpers import REPO, cpu_seconds, kill_while_working, stage_env, start_in_own_group
 
 PYTHON = sys.executable
-TESTS = Path(__file__).resolve().parents[1]
 
 
 def run(cmd: list[str], timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
-    t0 = time.monotonic()
+    """cmd to its end; its result and the CPU seconds it used (the measure of its work)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return proc, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
-def kill_after(cmd: list[str], delay: float) -> bool:
-    """Start cmd, SIGKILL it after `delay` seconds; True if it was still running."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        proc.wait(timeout=delay)
-        return False
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-        return True
+def kill_while_writing_whole(cmd: list[str], outputs: list[Path], work: float, seed: int, check) -> int:
+    """SIGKILL 3 runs of a stage that writes its outputs whole, each at a moment drawn from all of `work` (the
+    CPU seconds of an uninterrupted run: every run does it all again); check() after each run. A run the kill
+    missed finished the job: its outputs go (after the check), so that the next run has the work to do again."""
 
+    def start() -> subprocess.Popen:
+        if all(p.exists() for p in outputs):
+            for p in outputs:
+                p.unlink()
+        return start_in_own_group(cmd)
 
-def kill_repeatedly(cmd: list[str], duration: float, seed: int, check, attempts: int = 3) -> int:
-    """Kill `attempts` runs at seeded uniform moments in [0, duration]; `check()` after each."""
     rng = random.Random(seed)
-    kills = 0
-    for _ in range(attempts):
-        kills += kill_after(cmd, rng.uniform(0.0, duration))
-        check()
-    return kills
+    return sum(kill_while_working(start, cpu_seconds, work, rng, after_each=lambda killed: check()) for _ in range(3))
 
 
 def without(d: dict, *keys: str) -> dict:
@@ -100,7 +95,7 @@ def test_01_prepare_sigkill_anywhere_then_rerun_is_identical(tmp_path):
         cfg = tmp_path / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump({"run_dir": str(tmp_path / name), "data": {"source": str(src), "eval_fraction": 0.1}}))
         cmd_for[name] = [PYTHON, str(REPO / "01_prepare_data.py"), "--config", str(cfg)]
-    ref, duration = run(cmd_for["ref"])
+    ref, work = run(cmd_for["ref"])
     assert ref.returncode == 0, ref.stderr
     ref_prompts = (tmp_path / "ref" / "data" / "prompts.jsonl").read_bytes()
     ref_report = json.loads((tmp_path / "ref" / "data" / "prepare_report.json").read_text())
@@ -116,8 +111,8 @@ def test_01_prepare_sigkill_anywhere_then_rerun_is_identical(tmp_path):
             assert prompts.exists() and without(json.loads(report.read_text()), "seconds", "config", "source") == \
                 without(ref_report, "seconds", "config", "source")
 
-    kills = kill_repeatedly(cmd_for["cut"], duration, seed=101, check=check)
-    assert kills >= 2, "the runs finished before they could be killed; make the source larger"
+    kills = kill_while_writing_whole(cmd_for["cut"], [data / "prompts.jsonl", data / "prepare_report.json"], work, 101, check)
+    assert kills == 3, "the runs finished before they could be killed; make the source larger"
     final, _ = run(cmd_for["cut"])
     assert final.returncode == 0, final.stderr
     check()
@@ -152,7 +147,7 @@ def test_03_vocab_map_sigkill_anywhere_then_rerun_is_identical(tmp_path):
         cfg.write_text(yaml.safe_dump({"run_dir": str(tmp_path / name), "target": {"model": str(target), "aux_layer_ids": [1, 2, 3]},
                                        "vocab": {"draft_vocab_size": 4096}}))
         cmd_for[name] = [PYTHON, str(REPO / "03_build_vocab_map.py"), "--config", str(cfg)]
-    ref, duration = run(cmd_for["ref"])
+    ref, work = run(cmd_for["ref"])
     assert ref.returncode == 0, ref.stderr
     ref_map = (tmp_path / "ref" / "vocab" / "vocab_map.safetensors").read_bytes()
     ref_report = json.loads((tmp_path / "ref" / "vocab" / "report.json").read_text())
@@ -165,8 +160,8 @@ def test_03_vocab_map_sigkill_anywhere_then_rerun_is_identical(tmp_path):
             assert (out / "vocab_map.safetensors").exists()
             assert without(json.loads((out / "report.json").read_text()), "target_model") == without(ref_report, "target_model")
 
-    kills = kill_repeatedly(cmd_for["cut"], duration, seed=303, check=check)
-    assert kills >= 2, "the runs finished before they could be killed; make train.jsonl larger"
+    kills = kill_while_writing_whole(cmd_for["cut"], [out / "vocab_map.safetensors", out / "report.json"], work, 303, check)
+    assert kills == 3, "the runs finished before they could be killed; make train.jsonl larger"
     final, _ = run(cmd_for["cut"])
     assert final.returncode == 0, final.stderr
     check()
@@ -178,24 +173,31 @@ def test_03_vocab_map_sigkill_anywhere_then_rerun_is_identical(tmp_path):
 # ============================================================================ 05 evaluate (fake vLLM)
 
 # Runs 05_evaluate.py with its vLLM servers swapped for tests/helpers.py's FakeVllm (deterministic
-# answers and spec-decode counters), each request slowed down so that kills land mid-run.
+# answers and spec-decode counters), each request slowed down so that kills land mid-run. Each answer
+# appends a line to `answered`, naming the server that gave it ("target" alone or "draft"): the run's
+# progress.
 FAKE_05 = r'''
 import contextlib, runpy, sys, time
-sys.path.insert(0, {tests!r})
-from helpers import FakeVllm
-from common.evaluate import stage as evaluate
+from tests.helpers import FakeVllm
+from common.evaluate import serve
+
+serving = ["target"]
 
 @contextlib.contextmanager
 def fake_target_server(cfg, speculative=None, log_path=None):
+    serving[0] = "target" if speculative is None else "draft"
     with FakeVllm(with_draft=speculative is not None, diverge=("question 5",)) as server:
         yield server
 
-evaluate.target_server = fake_target_server
-_chat = evaluate._chat
+serve.target_server = fake_target_server
+_chat = serve._chat
 def slow_chat(*args, **kwargs):
     time.sleep(0.1)
-    return _chat(*args, **kwargs)
-evaluate._chat = slow_chat
+    answer = _chat(*args, **kwargs)
+    with open({answered!r}, "a") as f:
+        f.write(serving[0] + "\n")
+    return answer
+serve._chat = slow_chat
 sys.argv = [{script!r}, "--config", {config!r}]
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
@@ -248,13 +250,14 @@ def comparable_eval(run_dir: Path) -> dict:
 
 
 def test_05_evaluate_sigkill_anywhere_then_rerun_is_identical(tmp_path):
-    cmds, runs = {}, {}
+    cmds, runs, answered = {}, {}, {}
     for name in ("ref", "cut"):
         cfg = eval_run(tmp_path / name)
         runs[name] = tmp_path / name / "run"
-        code = FAKE_05.format(tests=str(TESTS), script=str(REPO / "05_evaluate.py"), config=str(cfg))
+        answered[name] = tmp_path / f"{name}-answered.log"
+        code = FAKE_05.format(script=str(REPO / "05_evaluate.py"), config=str(cfg), answered=str(answered[name]))
         cmds[name] = [PYTHON, "-c", code]
-    ref, duration = run(cmds["ref"])
+    ref, _ = run(cmds["ref"])
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference = comparable_eval(runs["ref"])
     assert set(reference) == {"report", "report_tokens", "outputs", "baseline"}
@@ -268,10 +271,26 @@ def test_05_evaluate_sigkill_anywhere_then_rerun_is_identical(tmp_path):
         if "report" in now:
             assert "outputs" in now and "baseline" in now
 
-    # Moments within the first 60% of a full run: a resumed run has less left to do than the reference,
-    # and a kill drawn late in it (seed 505 draws 0.84) found it finished on a loaded machine (kills=1).
-    kills = kill_repeatedly(cmds["cut"], 0.6 * duration, seed=505, check=check)
-    assert kills >= 2, "the runs finished before they could be killed; slow the fake server down"
+    # The work is the answers (as many as the reference run got): the target alone's (kept in baseline.json
+    # once all are in) and those with the draft; each kill is drawn from the answers still to come, the last
+    # ones followed by the report's writes.
+    servers = answered["ref"].read_text().splitlines()
+    work, target_alone = len(servers), servers.count("target")
+    eval_dir, log = runs["cut"] / "eval", answered["cut"]
+    kept = {"answers": 0}  # what the run in progress started with
+
+    def answers(victim) -> float:
+        if victim is None:  # before a run: what the files keep
+            return work if (eval_dir / "report.json").exists() else target_alone if (eval_dir / "baseline.json").exists() else 0
+        return kept["answers"] + len(log.read_text().splitlines())
+
+    def start() -> subprocess.Popen:
+        kept["answers"] = answers(None)
+        log.write_text("")
+        return start_in_own_group(cmds["cut"])
+
+    kills = kill_while_working(start, answers, work, random.Random(505), kills=3, after_each=lambda killed: check())
+    assert kills == 3, "the runs finished before they could be killed; slow the fake server down"
     final, _ = run(cmds["cut"])
     assert final.returncode == 0, final.stderr[-3000:]
     assert comparable_eval(runs["cut"]) == reference

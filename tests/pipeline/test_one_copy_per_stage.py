@@ -16,7 +16,7 @@ import yaml
 
 from common.core.run_folder import Layout, read_manifest
 from tests.fault_server import Faults, FaultServer
-from tests.helpers import REPO, clone_run, error_line, hold_lock, read_metrics, run_stage, train_env, write_yaml
+from tests.helpers import REPO, clone_run, error_line, hold_lock, read_metrics, run_stage, stage_env, write_yaml
 
 
 def start_and_freeze(cmd: list[str], lock: Path, env: dict) -> subprocess.Popen:
@@ -39,7 +39,7 @@ def start_and_freeze(cmd: list[str], lock: Path, env: dict) -> subprocess.Popen:
 def two_copies(script: str, cfg: Path, run_dir: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `script` twice at once on one run_dir; assert the second exits 2 naming the first's pid
     and the first finishes; returns the first's result."""
-    env = env or train_env()
+    env = env or stage_env()
     stage = Path(script).stem
     first = start_and_freeze([sys.executable, str(REPO / script), "--config", str(cfg)], run_dir / "stages" / f"{stage}.lock", env)
     try:
@@ -67,7 +67,7 @@ def test_two_copies_of_01b_write_every_id_once(run_dir, write_config, chat_token
     prompts = make_prompts(run_dir, 30)
     with FaultServer(Faults(latency_s=0.02)) as server:
         cfg = config(write_config, server, chat_tokenizer_dir, concurrency=4)
-        two_copies("01b_generate_synthetic.py", cfg, run_dir, env=train_env() | {"EAGLE3_TEST_API_KEY": SECRET})
+        two_copies("01b_generate_synthetic.py", cfg, run_dir, env=stage_env() | {"EAGLE3_TEST_API_KEY": SECRET})
         assert server.stats.chat_requests == sum(sum(m["role"] == "user" for m in p["messages"]) for p in prompts)
     raw = [json.loads(line) for line in (run_dir / "data" / "raw_responses.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in raw) == sorted(p["id"] for p in prompts)  # every id once

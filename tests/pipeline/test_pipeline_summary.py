@@ -1,9 +1,8 @@
-"""run_pipeline.py's closing summary reports a vLLM measurement only for the draft now in train/final.
-
-Issue 25, case 13: `run_pipeline --stop-after 04_train` printed the previous draft's "measured in vLLM"
-line after training a new one. The summary is the same code whatever stage the run stops after, so the
-test stops after 01_prepare_data (seconds, no server) on a run folder whose eval/report.json measured
-other weights than train/final's, then on one whose report measured the very weights in train/final.
+"""run_pipeline.py's closing summary reports a vLLM measurement only for the draft now in train/final
+(`run_pipeline --stop-after 04_train` after training a new draft must not print the previous draft's
+"measured in vLLM" line). The summary is the same code whatever stage the run stops after, so the test
+stops after 01_prepare_data (seconds, no server) on a run folder whose eval/report.json measured other
+weights than train/final's, then on one whose report measured the very weights in train/final.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, stage_env
-
-from tests.helpers import write_yaml
+from tests.helpers import REPO, stage_env, write_yaml
 
 
 def report_of(weights: bytes) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
+import resource
 import subprocess
 import sys
 import threading
@@ -23,17 +23,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, base_config, error_line, make_target, run_stage, structured_samples, train_env, write_yaml
+from tests.helpers import (REPO, base_config, cpu_seconds, error_line, kill_while_working, last_logged, make_target,
+                           run_stage, stage_env, start_in_own_group, structured_samples, write_yaml)
 
 EPOCHS = 2
 
 
-def build(root: Path, max_disk_gb: float | None, stream: bool = False, n_train: int = 64) -> Path:
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """The tiny target of every run here (read only)."""
+    return make_target(tmp_path_factory.mktemp("rounds-target") / "target")
+
+
+def build(root: Path, target: Path, max_disk_gb: float | None, stream: bool = False, n_train: int = 64) -> Path:
     from common.core.io import write_jsonl_atomic
 
-    target = root.parent / "target"
-    if not target.exists():
-        make_target(target)
     run_dir = root / "run"
     write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(n_train, 1, "tr"))
     write_jsonl_atomic(run_dir / "data" / "eval.jsonl", structured_samples(8, 2, "ev"))
@@ -47,10 +51,14 @@ def build(root: Path, max_disk_gb: float | None, stream: bool = False, n_train: 
     return write_yaml(root / "run.yaml", cfg)
 
 
+def stage_cmd(script: str, cfg: Path) -> list[str]:
+    return [sys.executable, str(REPO / script), "--config", str(cfg)]
+
+
 def stage(script: str, cfg: Path, timeout: float = 600, nproc: int = 1) -> subprocess.CompletedProcess:
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc_per_node={nproc}"]
-    res = subprocess.run([*launch, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
+    res = subprocess.run([*launch, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=stage_env(),
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{script}: {res.stdout[-2000:]}{res.stderr[-3000:]}"
     return res
@@ -113,15 +121,24 @@ def ledger_of(run_dir: Path) -> dict:
     return json.loads((ckpts[-1] / "ledger.json").read_text())
 
 
-def budget_of(tmp_path: Path, n_train: int = 64) -> tuple[float, int, dict]:
-    """A budget of the eval shards + a quarter of the train shards of an unbounded extraction; the
-    largest shard; the unbounded plan's index."""
-    cfg = build(tmp_path / "whole", None, n_train=n_train)
-    stage("02_extract_hidden.py", cfg)
-    index = json.loads((tmp_path / "whole" / "run" / "hidden" / "index.json").read_text())
-    train = sum(s["bytes"] for s in index["shards"] if s["split"] == "train")
-    evals = sum(s["bytes"] for s in index["shards"] if s["split"] == "eval")
-    return (evals + train / 4) / 1e9, max(s["bytes"] for s in index["shards"]), index
+@pytest.fixture(scope="module")
+def budget_of(tmp_path_factory, target):
+    """budget_of(n_train) -> a budget of the eval shards + a quarter of the train shards of an unbounded
+    extraction of n_train samples; the largest shard; the unbounded plan's index. One extraction per size for
+    the module (read only)."""
+    made: dict[int, tuple[float, int, dict]] = {}
+
+    def budget(n_train: int = 64) -> tuple[float, int, dict]:
+        if n_train not in made:
+            root = tmp_path_factory.mktemp(f"whole-{n_train}")
+            stage("02_extract_hidden.py", build(root, target, None, n_train=n_train))
+            index = json.loads((root / "run" / "hidden" / "index.json").read_text())
+            train = sum(s["bytes"] for s in index["shards"] if s["split"] == "train")
+            evals = sum(s["bytes"] for s in index["shards"] if s["split"] == "eval")
+            made[n_train] = (evals + train / 4) / 1e9, max(s["bytes"] for s in index["shards"]), index
+        return made[n_train]
+
+    return budget
 
 
 def check_ledger(run_dir: Path) -> None:
@@ -132,9 +149,9 @@ def check_ledger(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_rounds_hold_the_budget_and_train_every_sample_once_per_epoch(tmp_path):
-    budget_gb, largest_shard, whole = budget_of(tmp_path)
-    cfg = build(tmp_path / "rounds", budget_gb)
+def test_rounds_hold_the_budget_and_train_every_sample_once_per_epoch(tmp_path, target, budget_of):
+    budget_gb, largest_shard, whole = budget_of()
+    cfg = build(tmp_path / "rounds", target, budget_gb)
     run_dir = tmp_path / "rounds" / "run"
     with DiskSampler(run_dir / "hidden") as disk:
         runs = alternate(cfg, run_dir)
@@ -162,36 +179,36 @@ def test_rounds_hold_the_budget_and_train_every_sample_once_per_epoch(tmp_path):
 
 
 @pytest.mark.slow
-def test_rounds_survive_sigkills_of_02_and_04_at_random_moments(tmp_path):
-    budget_gb, largest_shard, _ = budget_of(tmp_path)
-    cfg = build(tmp_path / "rounds", budget_gb)
+def test_rounds_survive_sigkills_of_02_and_04_at_random_moments(tmp_path, target, budget_of):
+    """02 and 04 alternate; each is SIGKILLed three times at a moment drawn from a whole run's work (in CPU
+    seconds: a run here is mostly start-up, which leaves no sign on disk), and rerun; then the job finishes
+    within the budget (plus the shard a kill left half-written) with every sample once per epoch."""
+    budget_gb, largest_shard, _ = budget_of()
+    cfg = build(tmp_path / "rounds", target, budget_gb)
     run_dir = tmp_path / "rounds" / "run"
     stage("03_build_vocab_map.py", cfg)
     rng = random.Random(16)
     kills = {"02_extract_hidden.py": 0, "04_train.py": 0}
-    took: dict[str, float] = {}  # each stage's last whole run: the kill moments are drawn within it
+    work: dict[str, float] = {}  # each stage's last whole run, in CPU seconds: the kill moments are drawn within it
 
-    def run(script: str, kill: bool) -> None:
-        proc = subprocess.Popen([sys.executable, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        t0 = time.monotonic()
-        try:
-            proc.wait(timeout=rng.uniform(0.3, 1.0) * took[script] if kill else 600)
-            took[script] = time.monotonic() - t0
-            assert proc.returncode == 0, (script, proc.returncode)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
-            kills[script] += 1
+    def whole(script: str) -> None:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        stage(script, cfg)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        work[script] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
     with DiskSampler(run_dir / "hidden") as disk:
-        run("02_extract_hidden.py", kill=False)
-        run("04_train.py", kill=False)
+        whole("02_extract_hidden.py")
+        whole("04_train.py")
         for _ in range(60):  # until each stage has been killed 3 times; a run the kill missed moves the job on
             if all(k == 3 for k in kills.values()) or train_state(run_dir) == "complete":
                 break
             for script in kills:
-                run(script, kill=kills[script] < 3)
+                if kills[script] == 3:
+                    whole(script)
+                else:
+                    kills[script] += kill_while_working(lambda: start_in_own_group(stage_cmd(script, cfg)), cpu_seconds,
+                                                        work[script], rng, max_runs=1)
         assert all(k == 3 for k in kills.values()), kills  # three random moments each
         alternate(cfg, run_dir)  # the reruns finish the job
     assert disk.peak <= budget_gb * 1e9 + largest_shard, (disk.peak, budget_gb * 1e9)
@@ -199,15 +216,15 @@ def test_rounds_survive_sigkills_of_02_and_04_at_random_moments(tmp_path):
 
 
 @pytest.mark.slow
-def test_rounds_under_torchrun_train_like_one_process_with_grad_accum(tmp_path):
+def test_rounds_under_torchrun_train_like_one_process_with_grad_accum(tmp_path, target, budget_of):
     """2 DDP ranks (gloo) vs 1 process x grad_accum 2, both in rounds: the same global batches, so the same
     losses per step, the same ledger, and every rank waits for (and trains) the same round."""
-    budget_gb, _, whole = budget_of(tmp_path)
+    budget_gb, _, whole = budget_of()
     train = sum(s["bytes"] for s in whole["shards"] if s["split"] == "train")
     budget_gb += train / 4 / 1e9  # half the train shards per round: 2 rounds per epoch
     logs = {}
     for name, nproc, accum in (("one", 1, 2), ("ddp", 2, 1)):
-        cfg = build(tmp_path / name, budget_gb)
+        cfg = build(tmp_path / name, target, budget_gb)
         tree = yaml.safe_load(cfg.read_text())
         tree["train"]["grad_accum"] = accum
         tree["train"]["log_every"] = 1
@@ -225,12 +242,7 @@ def test_rounds_under_torchrun_train_like_one_process_with_grad_accum(tmp_path):
 
 
 def start(script: str, cfg: Path, log: Path) -> subprocess.Popen:
-    out = open(log, "ab")
-    try:
-        return subprocess.Popen([sys.executable, str(REPO / script), "--config", str(cfg)], cwd=REPO, env=train_env(),
-                                stdout=out, stderr=subprocess.STDOUT)
-    finally:
-        out.close()
+    return start_in_own_group(stage_cmd(script, cfg), log=log)
 
 
 def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 900) -> None:
@@ -241,9 +253,9 @@ def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 900)
 
 
 @pytest.mark.slow
-def test_streaming_runs_02_and_04_at_once_within_the_budget(tmp_path):
-    budget_gb, largest_shard, _ = budget_of(tmp_path)
-    cfg = build(tmp_path / "stream", budget_gb, stream=True)
+def test_streaming_runs_02_and_04_at_once_within_the_budget(tmp_path, target, budget_of):
+    budget_gb, largest_shard, _ = budget_of()
+    cfg = build(tmp_path / "stream", target, budget_gb, stream=True)
     run_dir = tmp_path / "stream" / "run"
     stage("03_build_vocab_map.py", cfg)
     with DiskSampler(run_dir / "hidden") as disk:
@@ -268,26 +280,39 @@ def test_streaming_runs_02_and_04_at_once_within_the_budget(tmp_path):
 
 
 @pytest.mark.slow
-def test_streaming_survives_sigkills_of_02_and_04_at_random_moments(tmp_path):
-    """Both run; one of them is SIGKILLed at a random moment and restarted at once while the other goes on
-    (waiting for it through the files), three times each, alternating; then both finish."""
-    budget_gb, largest_shard, _ = budget_of(tmp_path, n_train=192)  # ~1 min of work: room for six kills
-    cfg = build(tmp_path / "stream", budget_gb, stream=True, n_train=192)
+def test_streaming_survives_sigkills_of_02_and_04_at_random_moments(tmp_path, target, budget_of):
+    """Both run; one of them is SIGKILLed at a moment drawn from its work still left (02: shards written; 04:
+    epochs trained) and restarted at once while the other goes on (waiting for it through the files), three
+    times each, alternating; then both finish."""
+    budget_gb, largest_shard, _ = budget_of(192)  # ~1 min of work: room for six kills
+    cfg = build(tmp_path / "stream", target, budget_gb, stream=True, n_train=192)
     run_dir = tmp_path / "stream" / "run"
+    hidden = run_dir / "hidden"
     stage("03_build_vocab_map.py", cfg)
+
+    def plan() -> dict:
+        return json.loads((hidden / "plan.json").read_text()) if (hidden / "plan.json").is_file() else {"shards": [None]}
+
+    def shards_written(victim=None) -> int:
+        """02's work done: the shards on disk and those of the rounds 04 consumed (and deleted)."""
+        consumed = json.loads((hidden / "consumed.json").read_text())["rounds"] if (hidden / "consumed.json").is_file() else []
+        return len(list(hidden.glob("shard-*"))) + sum(len(plan()["rounds"][r]["shards"]) for r in consumed)
+
+    work = {"02_extract_hidden.py": (shards_written, lambda: len(plan()["shards"])),
+            "04_train.py": (lambda victim=None: last_logged(run_dir, "epoch"), lambda: EPOCHS)}
     rng = random.Random(18)
     scripts = ("02_extract_hidden.py", "04_train.py")
     kills = dict.fromkeys(scripts, 0)
-    with DiskSampler(run_dir / "hidden") as disk:
+    with DiskSampler(hidden) as disk:
         procs = {s: start(s, cfg, tmp_path / f"{s}.log") for s in scripts}
         for k in range(6):
             script = scripts[k % 2]
-            time.sleep(rng.uniform(1.0, 6.0))  # a stage takes ~5 s to start: some kills land in its start
-            proc = procs[script]
-            assert proc.poll() is None, (script, proc.returncode, (tmp_path / f"{script}.log").read_text()[-3000:])
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
-            kills[script] += 1
+            done, end = work[script]
+            now, left = done(), 3 - kills[script]  # this kill is drawn from a 1/left share of the work left
+            landed = kill_while_working(lambda: start(script, cfg, tmp_path / f"{script}.log"), done,
+                                        now + (end() - now) / left, rng, jitter_s=0.3, running=procs[script], max_runs=1)
+            assert landed == 1, (script, "finished before its kill", (tmp_path / f"{script}.log").read_text()[-3000:])
+            kills[script] += landed
             procs[script] = start(script, cfg, tmp_path / f"{script}.log")
         finish(procs, tmp_path)
     assert kills == dict.fromkeys(scripts, 3)
@@ -296,8 +321,8 @@ def test_streaming_survives_sigkills_of_02_and_04_at_random_moments(tmp_path):
     assert train_state(run_dir) == "complete"
 
 
-def test_streaming_04_stops_with_one_error_line_when_02_never_comes(tmp_path):
-    cfg = build(tmp_path / "alone", 0.001, stream=True)
+def test_streaming_04_stops_with_one_error_line_when_02_never_comes(tmp_path, target):
+    cfg = build(tmp_path / "alone", target, 0.001, stream=True)
     tree = yaml.safe_load(cfg.read_text())
     tree["extract"]["stream_wait_minutes"] = 0.05  # 3 s
     write_yaml(cfg, tree)
@@ -310,36 +335,35 @@ def test_streaming_04_stops_with_one_error_line_when_02_never_comes(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 25: the budget covers every file in hidden/ (case 6), a plan edited after 02 made it (case 7), and
-# the advice for a damaged shard under rounds (case 8). 02 in this process (hf backend); where 04 would act,
-# these tests do what it does, with the functions it does it with (consume_round, HiddenIndex.load).
+# The budget covers every file in hidden/, a plan edited after 02 made it is refused, and the advice for a
+# damaged shard under rounds keeps the plan. 02 in this process (hf backend); where 04 would act, these
+# tests do what it does, with the functions it does it with (consume_round, HiddenIndex.load).
 # ---------------------------------------------------------------------------------------------
 
 
 def consume_round(run_dir: Path, plan: dict, r: int) -> None:
-    """What 04 does at a round's end (Trainer.consume_rounds): record it in consumed.json, then delete its shards."""
-    from common.hidden.shards import read_consumed, write_consumed
+    """What 04 does at a round's end (TrainSource.round_trained): record it in consumed.json, then delete its shards."""
+    from common.core.run_folder import Layout
+    from common.hidden.rounds import HiddenPlan, mark_trained
 
-    hidden = run_dir / "hidden"
-    write_consumed(hidden / "consumed.json", read_consumed(hidden / "consumed.json") | {r})
-    for f in plan["rounds"][r]["shards"]:
-        (hidden / f).unlink()
+    assert all((run_dir / "hidden" / f).is_file() for f in HiddenPlan(plan).rounds[r].shards)  # 04 deletes what it trained
+    mark_trained(Layout.of(str(run_dir)), HiddenPlan(plan), {r})
 
 
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_the_budget_holds_every_file_in_hidden_bookkeeping_included(tmp_path, one_torch_thread):
-    """Case 6: a budget of 10,000,000 B ended with 10,638,036 B in hidden/ (plan.json and index.json were not
-    counted). Here a budget so small that the bookkeeping is a large share of it and there are many rounds:
-    every file under hidden/, sampled every few ms while 02 extracts round after round, stays within the
-    budget, and the bookkeeping within the reserve the plan set aside for it."""
+def test_the_budget_holds_every_file_in_hidden_bookkeeping_included(tmp_path, target, one_torch_thread):
+    """The budget covers every file in hidden/, plan.json and index.json included, not only the shards. Here
+    a budget so small that the bookkeeping is a large share of it and there are many rounds: every file under
+    hidden/, sampled every few ms while 02 extracts round after round, stays within the budget, and the
+    bookkeeping within the reserve the plan set aside for it."""
     from common.core.config import load_config
     from common.extract.stage import run_extraction
 
     budget_gb = 0.0004
-    cfg = load_config(build(tmp_path, budget_gb, n_train=48))
+    cfg = load_config(build(tmp_path, target, budget_gb, n_train=48))
     run_dir = tmp_path / "run"
     with DiskSampler(run_dir / "hidden", every=0.002) as disk:
         for _ in range(60):
@@ -360,15 +384,15 @@ def test_the_budget_holds_every_file_in_hidden_bookkeeping_included(tmp_path, on
     assert disk.peak_other <= plan["reserve_bytes"], (disk.peak_other, plan["reserve_bytes"])
 
 
-def test_a_plan_edited_after_02_made_it_is_refused_before_anything_is_extracted(tmp_path, one_torch_thread):
-    """Case 7: plan.json edited (max_disk_bytes x10) made 02 extract every round, 103 MB on a 40 MB budget, with
-    exit 0. 02 checks the plan against the config and against the sha256 it recorded when it wrote it, and
-    refuses with one line before it extracts or deletes anything."""
+def test_a_plan_edited_after_02_made_it_is_refused_before_anything_is_extracted(tmp_path, target, one_torch_thread):
+    """An edited plan.json (say max_disk_bytes x10, which would let 02 extract every round past the budget): 02
+    checks the plan against the config and against the sha256 it recorded when it wrote it, and refuses with one
+    line before it extracts or deletes anything; so does 04."""
     from common.core.config import load_config
     from common.core.errors import DataError
     from common.extract.stage import run_extraction
 
-    cfg_path = build(tmp_path, 0.0005)
+    cfg_path = build(tmp_path, target, 0.0005)
     run_dir = tmp_path / "run"
     hidden = run_dir / "hidden"
     run_extraction(load_config(cfg_path))  # round 1 and the eval shards
@@ -401,26 +425,27 @@ def test_a_plan_edited_after_02_made_it_is_refused_before_anything_is_extracted(
     assert all((hidden / f).is_file() for f in plan["rounds"][1]["shards"])
 
 
-def test_a_damaged_shard_under_rounds_is_repaired_by_the_advice_without_losing_the_plan(tmp_path, one_torch_thread):
-    """Case 8: for a damaged shard 04 advised "rerun 02 with --overwrite", which under rounds throws away the plan
-    and consumed.json. The advice is now to delete the shard and rerun 02: followed, it repairs the round (the
-    same bytes again) and keeps the plan, consumed.json and every other shard."""
+def test_a_damaged_shard_under_rounds_is_repaired_by_the_advice_without_losing_the_plan(tmp_path, target, one_torch_thread):
+    """For a damaged shard under rounds the advice is to delete the shard and rerun 02 (never --overwrite, which
+    throws away the plan and consumed.json): followed, it repairs the round (the same bytes again) and keeps the
+    plan, consumed.json and every other shard."""
     from common.core.config import load_config
     from common.core.distributed import DistEnv
     from common.core.errors import DataError
     from common.core.run_folder import Layout
     from common.extract.stage import run_extraction
-    from common.hidden.shards import HiddenIndex, round_files, verify_shard_files
+    from common.hidden.rounds import HiddenPlan
+    from common.hidden.shards import HiddenIndex, verify_shard_files
 
-    cfg = load_config(build(tmp_path, 0.0005))
+    cfg = load_config(build(tmp_path, target, 0.0005))
     layout = Layout.of(cfg)
     run_extraction(cfg)
     plan = json.loads(layout.hidden_plan.read_text())
     consume_round(layout.run_dir, plan, 0)
     run_extraction(cfg)  # round 2 is on disk: 04 opens it
-    files = round_files(plan, 1)
+    files = HiddenPlan(plan).files_of_round(1)
 
-    def open_round() -> None:  # what 04 does when it starts a round (Trainer.open_round)
+    def open_round() -> None:  # what 04 does when it starts a round (TrainSource.batches)
         verify_shard_files(HiddenIndex.load(layout.hidden_index, files), layout, DistEnv(), "sha256")
 
     open_round()

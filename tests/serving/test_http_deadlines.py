@@ -1,4 +1,4 @@
-"""Issue 25, case 2: every HTTP call has a total deadline (common/serving/http.py), not only a per-read
+"""Every HTTP call has a total deadline (common/serving/http.py), not only a per-read
 timeout. Against a server that sends its answers one byte a second (tests/fault_server.py,
 Faults.drip_s): the vLLM server's readiness polls end at server.startup_timeout_s, a /metrics scrape
 at its timeout, and 05's calls (GET /v1/models, the chat requests) at generate.timeout_s per attempt,
@@ -76,7 +76,7 @@ PROMPTS = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {
 def test_05_requests_end_at_their_deadline():
     """05's client (openai-python's 2 retries) gives each attempt generate.timeout_s in all, then stops
     with one line: the warm-up request, the timed requests, and the model list it asks first."""
-    from common.evaluate.stage import run_prompts, warm_up
+    from common.evaluate.serve import run_prompts, warm_up
 
     attempts = 3  # the first try and openai-python's 2 retries (0.5 s and 1 s apart, jittered down)
     bound = attempts * EVAL_TIMEOUT_S + 1.5 + 5

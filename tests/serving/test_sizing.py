@@ -1,6 +1,6 @@
-"""Issue 17: the serving arithmetic of README "Sizing" (common/serving/sizing.py, scripts/plan_serving.py).
-The bytes per token are also checked against a running vLLM in tests/data/test_generate_vllm.py (the target
-alone) and below (the target served with an EAGLE draft, issue 27)."""
+"""The serving arithmetic of README "Sizing" (common/serving/sizing.py, scripts/plan_serving.py). The bytes
+per token are also checked against a running vLLM in tests/data/test_generate_vllm.py (the target alone) and
+below (the target served with an EAGLE draft)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_plan_serving_errors_are_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.startswith("error: cannot read the target's config") and "Traceback" not in out.stderr
 
 
-# ---- issue 27: the draft's KV cache counts (vLLM puts the draft's layers in the target's blocks)
+# ---- the draft's KV cache counts (vLLM puts the draft's layers in the target's blocks)
 
 def draft_json(**sizes) -> dict:
     """An EAGLE-3 draft's config.json in vLLM's format (DraftModelConfig.to_vllm_config), with these attention sizes."""

@@ -1,4 +1,4 @@
-"""Issue 17: one vLLM release, tested and shipped. Another installed version stops 02 (vllm backend), 05's server
+"""One vLLM release, tested and shipped. Another installed version stops 02 (vllm backend), 05's server
 start and setup with one line naming the release needed. The other version is a real package metadata
 directory placed first on the path: the check reads metadata the way pip left it, as on a user's machine."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from common.core.errors import ConfigError
 from common.serving.vllm_version import DISTRIBUTIONS, VLLM_VERSION, check_vllm_version, installed_vllm_versions
-from tests.helpers import REPO, write_yaml
+from tests.helpers import REPO, stage_env, write_yaml
 
 
 def fake_install(root: Path, name: str, version: str) -> Path:
@@ -74,9 +74,9 @@ def test_02_with_the_vllm_backend_stops_with_one_line(tmp_path):
         "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": [1, 2, 3]},
         "extract": {"device": "cpu", "backend": "vllm"}})
     site = fake_install(tmp_path / "site", installed_name(), "0.31.0")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
     res = subprocess.run([sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=stage_env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)])), capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error:") and "0.31.0 is installed" in lines[-1] and VLLM_VERSION in lines[-1], lines

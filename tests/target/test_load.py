@@ -31,10 +31,10 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, stage_env
 
 from common.core.io import iter_jsonl
 from common.serving.vllm_server import scrape_metrics
+from tests.helpers import REPO, stage_env
 
 pytestmark = pytest.mark.vllm
 

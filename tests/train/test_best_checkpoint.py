@@ -5,7 +5,7 @@ highest, kept through keep_checkpoints pruning and through a SIGKILL + resume.""
 from __future__ import annotations
 
 import json
-import signal
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, checkpoint_steps, clone_run, read_metrics, train_env, wait_for_checkpoint
+from tests.helpers import (REPO, checkpoint_steps, clone_run, kill_while_working, last_logged, read_metrics, stage_env,
+                           start_in_own_group)
 
 SCRIPT = REPO / "tests" / "train" / "scripted_al_run.py"
 K = "3"  # evaluate.num_speculative_tokens (default 3) = train.ttt_steps of the fixture run
@@ -61,29 +62,25 @@ def test_best_checkpoint_survives_pruning_and_is_exported(hidden_run, tmp_path, 
 
 
 def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
-    """SIGKILLed after checkpoint step-20 (whose state records best = step 10): the resumed run keeps
-    step 10 until a better eval (step 25) replaces it, and ends with what an uninterrupted run has."""
-    kw = dict(max_steps=30, eval_every=5, checkpoint_every=10, keep_checkpoints=1, log_every=5)
-    scripted = json.dumps({"5": 1.3, "10": 2.0, "15": 1.6, "20": 1.5, "25": 2.5, "30": 1.7})
-    env = train_env()
+    """SIGKILLed between checkpoints step-20 and step-40 (step-20's state records best = step 10): the resumed
+    run keeps step 10 until a better eval (step 50) replaces it, and ends with what an uninterrupted run has."""
+    kw = dict(max_steps=60, eval_every=5, checkpoint_every=20, keep_checkpoints=1, log_every=1)
+    scripted = json.dumps({"5": 1.3, "10": 2.0, "15": 1.6, "20": 1.5, "25": 1.4, "30": 1.2, "35": 1.3, "40": 1.1,
+                           "45": 1.6, "50": 2.5, "55": 1.9, "60": 1.7})
+    env = stage_env()
     ref_cfg = clone_run(hidden_run, tmp_path / "ref", **kw)
     cut_cfg = clone_run(hidden_run, tmp_path / "cut", **kw)
     ref = subprocess.run([sys.executable, str(SCRIPT), str(ref_cfg), scripted], env=env, capture_output=True, text=True,
                          timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
 
+    # killed at a logged step drawn from 21-30: past checkpoint step-20, ten steps before step-40 would replace it
     cut_run = tmp_path / "cut" / "run"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(cut_cfg), scripted], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_for_checkpoint(proc, cut_run, 20, timeout=300)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    assert kill_while_working(lambda: start_in_own_group([sys.executable, str(SCRIPT), str(cut_cfg), scripted], env=env),
+                              lambda _: last_logged(cut_run), 30, random.Random(20), begin=21) == 1
     on_disk = checkpoint_steps(cut_run)
     assert 10 in on_disk and 20 in on_disk and not (cut_run / "train" / "best").exists()
-    if max(on_disk) == 20:  # killed before step 25: the latest checkpoint vouches for best = step 10
+    if max(on_disk) == 20:  # killed before step 40: the latest checkpoint vouches for best = step 10
         state = json.loads((cut_run / "train" / "checkpoints" / "step-20" / "state.json").read_text())
         assert state["best"]["step"] == 10
 
@@ -92,10 +89,10 @@ def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout
     for run_dir in (tmp_path / "ref" / "run", cut_run):
-        assert _logged_best(run_dir) == (25, 2.5)
-        assert checkpoint_steps(run_dir) == [25, 30]  # step 10 went once step 25 was the best and step 30 the kept one
-        assert json.loads((run_dir / "train" / "best" / "best.json").read_text())["step"] == 25
-        _assert_best_export_is_checkpoint(run_dir, 25)
+        assert _logged_best(run_dir) == (50, 2.5)
+        assert checkpoint_steps(run_dir) == [50, 60]  # step 10 went once step 50 was the best and step 60 the kept one
+        assert json.loads((run_dir / "train" / "best" / "best.json").read_text())["step"] == 50
+        _assert_best_export_is_checkpoint(run_dir, 50)
     a = load_file(str(tmp_path / "ref" / "run" / "train" / "best" / "model.safetensors"))
     b = load_file(str(cut_run / "train" / "best" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

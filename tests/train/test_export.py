@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,9 +19,9 @@ from common.model.draft import DraftModelConfig, Eagle3DraftModel
 from common.core.errors import DataError
 from common.model.export import export_speculators_draft, export_vllm_draft, load_exported_draft
 from common.model.ttt import ttt_loss
+from tests.helpers import stage_env
 
 H, H_T, V, V_D = 64, 48, 300, 100
-REPO = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -403,11 +402,10 @@ def run_vllm(tmp_path, target_dir, draft_dir, prompts, k=3):
     script = tmp_path / "run_vllm.py"
     script.write_text(VLLM_SCRIPT)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     proc = subprocess.run([sys.executable, str(script), str(target_dir), str(draft_dir), str(tmp_path / "prompts.json"),
-                           str(tmp_path / "out.json"), str(k)], env=env, capture_output=True, text=True, timeout=900)
+                           str(tmp_path / "out.json"), str(k)], env=stage_env(VLLM_CPU_KVCACHE_SPACE="1"),
+                          capture_output=True, text=True, timeout=900)
     elapsed = time.time() - t0
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

@@ -1,27 +1,22 @@
-"""Issue 17, item 3: under FSDP2 with a unit per decoder layer, the layer (which runs once per TTT step)
-was gathered again in the backward of every step: measured here before the change, 5 all-gathers and 2
-reduce-scatters per micro-batch at 4 TTT steps (1 + 7 all-gathers at the Kimi config). The draft is now one
-FSDP unit: one all-gather and one reduce-scatter per micro-batch, counted on the collectives FSDP2 calls
-(2 processes, gloo)."""
+"""Under FSDP2 the draft is one FSDP unit: one all-gather and one reduce-scatter per micro-batch, counted on
+the collectives FSDP2 calls (2 processes, gloo). With a unit per decoder layer, the layer (which runs once
+per TTT step) was gathered again in the backward of every step: 5 all-gathers and 2 reduce-scatters per
+micro-batch at 4 TTT steps (1 + 7 all-gathers at the Kimi config)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port
-
 TTT_STEPS = 4
 
 
-def _count_collectives(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _count_collectives(rank: int, world: int, init_file: str, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no port to pick (one picked free may be taken before the group binds it)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from common.core.distributed import DistEnv, wrap_parallel
         from common.model.ttt import ttt_loss
@@ -57,11 +52,10 @@ def _count_collectives(rank: int, world: int, port: int, queue) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-def test_one_all_gather_and_one_reduce_scatter_per_micro_batch():
+def test_one_all_gather_and_one_reduce_scatter_per_micro_batch(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_count_collectives, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_count_collectives, args=(r, 2, str(tmp_path / "pg"), queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=300) for _ in procs)

@@ -294,12 +294,12 @@ def test_the_anchor_does_not_depend_on_ranks_or_micro_batches(tmp_path, hidden_r
     """One process with grad_accum 2 = 2-process DDP = 2-process FSDP (the init's copy sharded), anchored."""
     import subprocess
 
-    from tests.helpers import train_cmd, train_env
+    from tests.helpers import stage_env, train_cmd
     from tests.train.test_train_ddp import SETTINGS, _assert_same_training, _torchrun
 
     kw = dict(SETTINGS, init_from=str(init_dir), anchor_weight=0.05)
     single = clone_run(hidden_run, tmp_path / "single", grad_accum=2, **kw)
-    res = subprocess.run(train_cmd(single), env=train_env(), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(train_cmd(single), env=stage_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [r for r in read_metrics(tmp_path / "single" / "run") if r["type"] == "train"]
     for parallel in ("ddp", "fsdp"):

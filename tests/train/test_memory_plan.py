@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, clone_run, train_env
+from tests.helpers import REPO, clone_run, stage_env
 
 PROBE = REPO / "tests" / "train" / "memory_probe.py"
 # The estimate is an upper bound: never below the measured peak, at most this much above it. Most of
@@ -33,7 +33,7 @@ def test_estimate_bounds_the_measured_peak(hidden_run, tmp_path, size):
     """04's printed estimate vs the allocator's peak over 3 training steps (steady state: AdamW state
     exists from step 2), in a fresh process (tests/train/memory_probe.py explains the measurement)."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=3, eval_every=0, checkpoint_every=100)
-    out = subprocess.run([sys.executable, str(PROBE), str(cfg), "3", *SIZES[size]], env=train_env(), capture_output=True,
+    out = subprocess.run([sys.executable, str(PROBE), str(cfg), "3", *SIZES[size]], env=stage_env(), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
@@ -49,7 +49,7 @@ def test_04_prints_the_plan_and_refuses_what_cannot_fit(hidden_run, tmp_path):
     base = [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg)]
     # checkpointing forced off: nothing fits 9 MB as configured
     small = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009", "--set", "train.gradient_checkpointing=false"],
-                           env=train_env(), capture_output=True, text=True, timeout=300)
+                           env=stage_env(), capture_output=True, text=True, timeout=300)
     assert small.returncode == 2
     assert "04_train: memory plan: peak ~" in small.stdout
     err = [line for line in small.stderr.splitlines() if line.startswith("error:")]
@@ -59,7 +59,7 @@ def test_04_prints_the_plan_and_refuses_what_cannot_fit(hidden_run, tmp_path):
     # the suggested batch fits: 04 trains with it
     suggested = int(err[0].split("lower train.batch_max_tokens to ")[1].split()[0])
     ok = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009", "--set", "train.gradient_checkpointing=false",
-                         "--set", f"train.batch_max_tokens={suggested}"], env=train_env(), capture_output=True, text=True,
+                         "--set", f"train.batch_max_tokens={suggested}"], env=stage_env(), capture_output=True, text=True,
                         timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
 
@@ -69,11 +69,11 @@ def test_04_turns_checkpointing_on_only_when_the_step_does_not_fit(hidden_run, t
     recomputing step fits (9 MB here, where the step without it plans ~9.1 MB); printed as (auto)."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=2)
     base = [sys.executable, str(REPO / "04_train.py"), "--config", str(cfg), "--overwrite"]
-    roomy = subprocess.run([*base, "--set", "train.gpu_memory_gb=1"], env=train_env(), capture_output=True, text=True,
+    roomy = subprocess.run([*base, "--set", "train.gpu_memory_gb=1"], env=stage_env(), capture_output=True, text=True,
                            timeout=300)
     assert roomy.returncode == 0, roomy.stderr[-2000:]
     assert "gradient_checkpointing off (auto)" in roomy.stdout
-    tight = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009"], env=train_env(), capture_output=True, text=True,
+    tight = subprocess.run([*base, "--set", "train.gpu_memory_gb=0.009"], env=stage_env(), capture_output=True, text=True,
                            timeout=300)
     assert tight.returncode == 0, tight.stderr[-2000:]
     assert "gradient_checkpointing on (auto)" in tight.stdout
@@ -121,7 +121,7 @@ def test_plan_memory_script_for_a_hub_target():
     assert out.returncode == 2 and "lower train.batch_max_tokens to" in out.stderr
 
 
-# ---- issue 25, case 10: the planners' numeric flags (nan, inf, ranks <= 0, an unknown dtype) were tracebacks or accepted
+# ---- the planners' numeric flags (nan, inf, ranks <= 0, an unknown dtype): one error line each, nothing accepted
 
 PLAN_MEMORY = [sys.executable, str(REPO / "scripts" / "plan_memory.py"), "--config", str(REPO / "configs" / "kimi-k2.5.yaml"),
                "--target-hidden-size", "7168", "--target-vocab-size", "163840", "--target-num-layers", "61"]

@@ -8,9 +8,8 @@ safetensors, run over structured token sequences by the real stage-02 code
 from __future__ import annotations
 
 import json
-import signal
+import random
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,8 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import (AUX_IDS, DRAFT_VOCAB, HIDDEN, checkpoint_steps, clone_run, read_metrics, train_cmd, train_env,
-                           wait_for_checkpoint)
+from tests.helpers import (AUX_IDS, DRAFT_VOCAB, HIDDEN, checkpoint_steps, clone_run, kill_while_working, read_metrics,
+                           stage_env, start_in_own_group, train_cmd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,9 +79,9 @@ def test_rank_schedule_matches_grad_accum(hidden_run):
     index = HiddenIndex.load(Layout.of(yaml.safe_load(hidden_run.read_text())["run_dir"]).hidden_index)
     single = TrainData(index, 256, seed=0, world_size=1, rank=0, grad_accum=2)
     ranks = [TrainData(index, 256, seed=0, world_size=2, rank=r, grad_accum=1) for r in (0, 1)]
-    assert single.steps_in_epoch(0) == ranks[0].steps_in_epoch(0)
+    assert single.steps_in_round(0) == ranks[0].steps_in_round(0)
     pos1 = pos2 = DataPosition()
-    for _ in range(single.steps_in_epoch(0) + 2):  # crosses into epoch 1
+    for _ in range(single.steps_in_round(0) + 2):  # crosses into round (= epoch) 1
         mine, real, nxt1 = single.step_micro_batches(pos1)
         r0, real0, nxt2 = ranks[0].step_micro_batches(pos2)
         r1, real1, _ = ranks[1].step_micro_batches(pos2)
@@ -90,7 +89,7 @@ def test_rank_schedule_matches_grad_accum(hidden_run):
         assert nxt1 == nxt2
         assert single.step_loss_positions(pos1) == ranks[1].step_loss_positions(pos2)
         pos1, pos2 = nxt1, nxt2
-    assert pos1.epoch == 1
+    assert pos1.round == 1
 
 
 def test_micro_batch_contents_match_shards(hidden_run):
@@ -192,30 +191,33 @@ def test_training_learns_and_reports(hidden_run, tmp_path, one_torch_thread):
 # ---------------------------------------------------------------------------------------------
 
 
+def newest_checkpoint(run_dir: Path) -> int:
+    return max(checkpoint_steps(run_dir), default=0)
+
+
 def test_resume_after_sigkill_is_exact(hidden_run, tmp_path):
     from safetensors.torch import load_file
 
-    steps = 30
-    kw = dict(max_steps=steps, checkpoint_every=5, eval_every=12, log_every=2, batch_max_tokens=160, num_workers=2)
+    # checkpoints every 5 steps, a metrics line every 7: every checkpoint is mid logging window, so the resumed
+    # run must also restore the window
+    steps, every, log_every = 30, 5, 7
+    kw = dict(max_steps=steps, checkpoint_every=every, eval_every=12, log_every=log_every, batch_max_tokens=160,
+              num_workers=2)
     ref_cfg = clone_run(hidden_run, tmp_path / "ref", **kw)
     cut_cfg = clone_run(hidden_run, tmp_path / "cut", **kw)
-    env = train_env()
+    env = stage_env()
 
     ref = subprocess.run(train_cmd(ref_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
 
+    # killed once a checkpoint drawn from all but the last two is written: the run still has steps to resume
     cut_run = tmp_path / "cut" / "run"
-    proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        # step 15: mid logging window (log_every=2), so the resumed run must also restore the window
-        wait_for_checkpoint(proc, cut_run, 15)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    assert kill_while_working(lambda: start_in_own_group(train_cmd(cut_cfg)), lambda _: newest_checkpoint(cut_run),
+                              steps - 2 * every, random.Random(15)) == 1
     assert not (cut_run / "train" / "final").exists()
     killed_at = checkpoint_steps(cut_run)[-1]
     assert killed_at < steps
+    assert killed_at % log_every, killed_at  # mid logging window
 
     resumed = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -252,13 +254,11 @@ def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, 
     """1 process x grad_accum 3: epochs end mid-step, where the rank's stand-in micro-batches get weight 0.
     Three SIGKILLs at random steps (and random moments inside them, checkpoints included), then a rerun:
     the ledger has every train sample exactly once in each of the 3 epochs, as the uninterrupted run's."""
-    import random
-
     epochs = 3
     kw = dict(max_steps=None, epochs=epochs, grad_accum=3, checkpoint_every=2, keep_checkpoints=1, eval_every=0,
               log_every=5, batch_max_tokens=160)
     ref_cfg, cut_cfg = clone_run(hidden_run, tmp_path / "ref", **kw), clone_run(hidden_run, tmp_path / "cut", **kw)
-    env = train_env()
+    env = stage_env()
     ref = subprocess.run(train_cmd(ref_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
     ledger = _ledger(tmp_path / "ref" / "run")
@@ -271,31 +271,20 @@ def test_ledger_every_sample_exactly_once_per_epoch_across_sigkills(hidden_run, 
                                  "max_times": epochs, "per_epoch_trained": [len(train_ids)] * epochs}
     assert f"every one of {len(train_ids)} train samples trained exactly {epochs} time(s)" in ref.stdout
 
-    # Each kill waits for a checkpoint 1-2 checkpoints past the one its run resumes from, then a random
-    # 0-120 ms more (a step takes ~60 ms here, a checkpoint write included), so it lands mid-step or mid-write.
-    # Targets follow the run (a fixed list breaks when a machine is fast enough to pass a target in the wait).
-    rng = random.Random(4)
+    # Each kill waits for a checkpoint drawn from the steps still to train (but the last 4: the run must not end
+    # before the kill), then a random 0-120 ms more (a step takes ~60 ms here, a checkpoint write included), so
+    # it lands mid-step or mid-write.
     cut_run = tmp_path / "cut" / "run"
-    kills = 0
-    for _ in range(3):
-        target = max([0] + checkpoint_steps(cut_run)) + 2 * rng.randint(1, 2)
-        if target >= total_steps - 1:
-            break
-        proc = subprocess.Popen(train_cmd(cut_cfg), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for_checkpoint(proc, cut_run, target)
-            time.sleep(rng.uniform(0.0, 0.12))
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.wait(timeout=60)
-        if proc.returncode != -signal.SIGKILL:  # finished inside the random wait: nothing left to kill
-            assert proc.returncode == 0
-            break
-        kills += 1
-        assert not (cut_run / "train" / "final").exists()
-        partial = _ledger(cut_run)  # what the kept checkpoint vouches for: no sample twice
-        assert all(max(c) <= 1 for c in partial["epochs"])
-    assert kills >= 2, f"only {kills} of the planned 3 kills landed before the run ended ({total_steps} steps)"
+
+    def vouched_for(killed: list) -> None:
+        if killed:
+            assert not (cut_run / "train" / "final").exists()
+            partial = _ledger(cut_run)  # what the kept checkpoint vouches for: no sample twice
+            assert all(max(c) <= 1 for c in partial["epochs"])
+
+    kills = kill_while_working(lambda: start_in_own_group(train_cmd(cut_cfg), env=env), lambda _: newest_checkpoint(cut_run),
+                               total_steps - 4, random.Random(4), kills=3, jitter_s=0.12, after_each=vouched_for)
+    assert kills == 3, f"only {kills} of the planned 3 kills landed before the run ended ({total_steps} steps)"
     done = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _ledger(cut_run) == ledger
@@ -313,12 +302,12 @@ def test_stand_in_micro_batches_at_an_epoch_end_have_weight_zero(hidden_run, tmp
 
     index = HiddenIndex.load(Layout.of(yaml.safe_load(hidden_run.read_text())["run_dir"]).hidden_index)
     total = sum(index.samples[i].length for i in index.split_indices("train"))
-    budget = next(b for b in range(total // 2, total, 64) if len(TrainData(index, b, seed=0).epoch_micro_batches(0)) == 2)
+    budget = next(b for b in range(total // 2, total, 64) if len(TrainData(index, b, seed=0).round_micro_batches(0)) == 2)
     runs = {}
     for accum in (2, 3):
         cfg = clone_run(hidden_run, tmp_path / f"ga{accum}", max_steps=1, grad_accum=accum, batch_max_tokens=budget,
                         checkpoint_every=1, eval_every=0)
-        res = subprocess.run(train_cmd(cfg), env=train_env(), capture_output=True, text=True, timeout=600)
+        res = subprocess.run(train_cmd(cfg), env=stage_env(), capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-2000:]
         ckpt = tmp_path / f"ga{accum}" / "run" / "train" / "checkpoints" / "step-1"
         runs[accum] = load_file(str(ckpt / "model.safetensors"))
@@ -328,12 +317,12 @@ def test_stand_in_micro_batches_at_an_epoch_end_have_weight_zero(hidden_run, tmp
 
 
 def test_a_diverged_run_stops_keeps_its_last_good_checkpoint_and_exports_nothing(hidden_run, tmp_path):
-    """Issue 18, case 4: lr 1e30 without clipping blows the weights up within a few steps. The run must stop
-    with one error line (exit 2) at the first non-finite gradient, keep the checkpoints before it, write no
-    train/final and no NaN into metrics.jsonl."""
+    """lr 1e30 without clipping blows the weights up within a few steps: the run stops with one error line
+    (exit 2) at the first non-finite gradient, keeps the checkpoints before it, writes no train/final and no
+    NaN into metrics.jsonl."""
     cfg = clone_run(hidden_run, tmp_path / "a", max_steps=20, lr=1e30, grad_clip=0.0, warmup_ratio=0.0, checkpoint_every=1,
                     keep_checkpoints=50, eval_every=0, log_every=1, batch_max_tokens=160)
-    res = subprocess.run(train_cmd(cfg), env=train_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(train_cmd(cfg), env=stage_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     line = [x for x in res.stderr.splitlines() if x.strip()][-1]
     assert line.startswith("error: training diverged at step ") and "nothing was exported" in line and "train.lr (now 1e+30)" in line
@@ -351,7 +340,7 @@ def test_a_diverged_run_stops_keeps_its_last_good_checkpoint_and_exports_nothing
 def test_a_ledger_that_disagrees_with_the_position_stops_the_resume(hidden_run, tmp_path):
     kw = dict(max_steps=6, checkpoint_every=3, keep_checkpoints=2, eval_every=0, batch_max_tokens=160)
     cfg = clone_run(hidden_run, tmp_path / "a", **kw)
-    assert subprocess.run(train_cmd(cfg), env=train_env(), capture_output=True, timeout=600).returncode == 0
+    assert subprocess.run(train_cmd(cfg), env=stage_env(), capture_output=True, timeout=600).returncode == 0
     run_dir = tmp_path / "a" / "run"
     ckpt = run_dir / "train" / "checkpoints" / "step-6"
     doc = json.loads((ckpt / "ledger.json").read_text())
@@ -362,7 +351,7 @@ def test_a_ledger_that_disagrees_with_the_position_stops_the_resume(hidden_run, 
 
     manifest["files"]["ledger.json"] = {"bytes": (ckpt / "ledger.json").stat().st_size, "sha256": file_sha256(ckpt / "ledger.json")}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    res = subprocess.run(train_cmd(cfg, "--set", "train.max_steps=8"), env=train_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(train_cmd(cfg, "--set", "train.max_steps=8"), env=stage_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 2, res.stderr[-2000:]
     line = [x for x in res.stderr.splitlines() if x.strip()][-1]
     assert line.startswith("error: checkpoint ") and "records other trained samples than its data position" in line
@@ -375,7 +364,7 @@ def test_a_ledger_that_disagrees_with_the_position_stops_the_resume(hidden_run, 
 
 
 def _run_expect_error(cfg_path: Path, *extra: str) -> str:
-    res = subprocess.run(train_cmd(cfg_path, *extra), env=train_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(train_cmd(cfg_path, *extra), env=stage_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr

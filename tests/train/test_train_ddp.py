@@ -1,9 +1,11 @@
 """Stage 04 under torch.distributed (gloo, CPU): 2-process DDP and FSDP2 give the same training as
-one process with grad_accum=2 (the same global batches, the same token-mean loss)."""
+one process with grad_accum=2 (the same global batches, the same token-mean loss), and resume exactly
+after a SIGKILL."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import build_run, clone_run, read_metrics, train_cmd, train_env, wait_for_checkpoint
+from tests.helpers import (build_run, checkpoint_steps, clone_run, kill_while_working, read_metrics, stage_env,
+                           start_in_own_group, train_cmd)
 
 STEPS = 6
 SETTINGS = dict(max_steps=STEPS, batch_max_tokens=160, log_every=1, eval_every=0, checkpoint_every=100, keep_checkpoints=1)
@@ -25,7 +28,7 @@ def fixture_cfg(tmp_path_factory) -> Path:
 def _torchrun(cfg_path: Path, nproc: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *train_cmd(cfg_path)[1:]]
-    return subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, env=stage_env(), capture_output=True, text=True, timeout=900)
 
 
 def _final_weights(run_dir: Path) -> dict:
@@ -57,7 +60,7 @@ def _assert_same_training(a_dir: Path, b_dir: Path) -> None:
 
 def test_ddp_and_fsdp_match_grad_accum(fixture_cfg, tmp_path):
     single = clone_run(fixture_cfg, tmp_path / "single", grad_accum=2, **SETTINGS)
-    res = subprocess.run(train_cmd(single), env=train_env(), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(train_cmd(single), env=stage_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "1 process(es) x grad_accum 2" in res.stdout
 
@@ -80,12 +83,9 @@ def test_ddp_and_fsdp_match_grad_accum(fixture_cfg, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_sigkill_then_resume_is_exact(fixture_cfg, tmp_path, parallel):
-    """Issue 17: torchrun with 2 processes, SIGKILLed (agent and both ranks, as a crash or an OOM-killed node does)
-    after a checkpoint, then started again: the same weights, bit for bit, and the same logged curve as an
-    uninterrupted 2-process run."""
-    import os
-    import signal
-
+    """torchrun with 2 processes, SIGKILLed (agent and both ranks, as a crash or an OOM-killed node does) after a
+    checkpoint, then started again: the same weights, bit for bit, and the same logged curve as an uninterrupted
+    2-process run."""
     import psutil
     from safetensors.torch import load_file
 
@@ -99,15 +99,11 @@ def test_two_process_sigkill_then_resume_is_exact(fixture_cfg, tmp_path, paralle
 
     cut_run = tmp_path / "cut" / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *train_cmd(cut)[1:]]
-    proc = subprocess.Popen(cmd, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_checkpoint(proc, cut_run, 3)
-        # torchrun starts each rank in a session of its own: kill the agent and every rank by pid, at once
-        ranks = psutil.Process(proc.pid).children(recursive=True)
-        for pid in [proc.pid] + [r.pid for r in ranks]:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
+    hit: list = []  # torchrun starts each rank in a session of its own: kill_tree kills the agent and each rank by pid
+    # killed once a checkpoint drawn from all but the last two is written
+    assert kill_while_working(lambda: start_in_own_group(cmd), lambda _: max(checkpoint_steps(cut_run), default=0),
+                              steps - 6, random.Random(parallel), after_each=hit.extend) == 1
+    ranks = hit[1:]
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert len(ranks) >= 2 and not alive  # the two ranks (and whatever they started)
     assert not (cut_run / "train" / "final").exists()

@@ -18,7 +18,8 @@ from tests.helpers import checkpoint_steps, clone_run, error_line, read_metrics,
 
 @pytest.mark.slow  # ~60 s: five 04 runs
 def test_04_changed_vocab_or_hidden_is_an_error_not_a_stale_final(tmp_path, hidden_run):
-    """Issue 10, case 1: a rebuilt vocab map (or hidden/) used to leave train/final from the old one."""
+    """A rebuilt vocab map (or hidden/) under a finished run: 04 stops with one line instead of keeping the old
+    train/final; with --overwrite it trains on the new one."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -54,7 +55,8 @@ def trained(tmp_path_factory, hidden_run) -> Path:
 
 @pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt", "state.json"])
 def test_04_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, trained, damaged):
-    """Issue 10, case 2: a truncated file of the latest checkpoint crashed 04 with a traceback."""
+    """A truncated file in the latest checkpoint: 04 says it is damaged, resumes from the one before, and redoes
+    the steps into the same draft and the same metrics (no traceback)."""
     shutil.copytree(trained, tmp_path / "t")
     run_dir = tmp_path / "t" / "run"
     cfg = tmp_path / "t" / "run.yaml"
@@ -76,7 +78,7 @@ def test_04_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, t
 
 
 def test_04_verifies_the_shards_it_loads(tmp_path, hidden_run):
-    """Issue 10, case 7: 8 zeroed bytes in a shard trained silently."""
+    """8 zeroed bytes in a shard: 04 names the shard (its sha256 differs) instead of training on it."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=2)
     shard = sorted((tmp_path / "run" / "hidden").glob("shard-*.safetensors"))[0]
     with open(shard, "r+b") as f:
@@ -86,12 +88,12 @@ def test_04_verifies_the_shards_it_loads(tmp_path, hidden_run):
     assert not (tmp_path / "run" / "train" / "final").exists()
 
 
-# ============================================================================ issue 18, cases 17 and 18
+# ============================================================================ 04 resumed under other settings
 
 
 def test_04_resumes_with_another_ttt_steps(tmp_path, hidden_run):
-    """Case 17: a checkpoint from a run with another train.ttt_steps gave a ValueError traceback. The weights do
-    not depend on it, so training goes on with the new count (and says so)."""
+    """A checkpoint from a run with another train.ttt_steps: the weights do not depend on it, so training goes on
+    with the new count (and says so)."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=6, checkpoint_every=2, eval_every=0, log_every=1)
     assert run_stage("04_train.py", cfg, "--set", "train.max_steps=4").returncode == 0
     shutil.rmtree(tmp_path / "run" / "train" / "final")
@@ -104,8 +106,8 @@ def test_04_resumes_with_another_ttt_steps(tmp_path, hidden_run):
 
 
 def test_04_max_steps_below_the_finished_or_checkpointed_steps_is_an_error(tmp_path, hidden_run):
-    """Case 18: a 6-step draft was called "already complete (3 steps)"; with final/ gone, checkpoint step-6
-    and max_steps=3 "resumed" at step 6/3 and exported the 6-step draft as the 3-step one."""
+    """max_steps below what a finished draft (or, with final/ gone, the latest checkpoint) was trained for is an
+    error, never "already complete" or a 6-step draft exported as the 3-step one; --overwrite trains anew."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=6, checkpoint_every=2, eval_every=0)
     assert run_stage("04_train.py", cfg).returncode == 0
     final = tmp_path / "run" / "train" / "final" / "model.safetensors"
@@ -121,26 +123,26 @@ def test_04_max_steps_below_the_finished_or_checkpointed_steps_is_an_error(tmp_p
     assert res.returncode == 0 and "done: 3 steps" in res.stdout
 
 
-# ============================================================================ issue 25, cases 1, 11 and 12
+# ============================================================================ 04 and what others do to its folder
 
 
 @pytest.mark.slow  # ~40 s: a 04 that runs while 02 and 03 try to overwrite its inputs
 def test_overwrite_under_a_running_04_is_refused_and_04_stops_when_its_inputs_change(tmp_path, hidden_run):
-    """Case 1: 02 --overwrite while 04 trained on the same folder: 04 read the new shards mid-run and exported
-    a draft labelled with the old aux ids, exit 0. Now 02/03 --overwrite are refused while 04 runs, and a
-    04 whose index.json changes under it stops at its next check without saving or exporting."""
+    """02/03 --overwrite are refused while 04 trains on the same folder (they would change its inputs mid-run),
+    and a 04 whose index.json changes under it anyway stops at its next check without saving or exporting."""
     import subprocess
 
-    from tests.helpers import train_cmd, train_env, wait_for_checkpoint
+    from tests.helpers import stage_env, train_cmd, wait_for_checkpoint
 
-    cfg = clone_run(hidden_run, tmp_path, max_steps=400, checkpoint_every=2, keep_checkpoints=100, eval_every=0,
+    # more steps than it can train before the index changes, however fast the machine: only that stops it
+    cfg = clone_run(hidden_run, tmp_path, max_steps=1_000_000, checkpoint_every=2, keep_checkpoints=100, eval_every=0,
                     log_every=1)
     run_dir = tmp_path / "run"
 
     def snapshot() -> dict:
         return {p: p.read_bytes() for sub in ("hidden", "vocab") for p in sorted((run_dir / sub).rglob("*")) if p.is_file()}
 
-    proc = subprocess.Popen(train_cmd(cfg), env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(train_cmd(cfg), env=stage_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_checkpoint(proc, run_dir, 2)
         before = snapshot()
@@ -164,9 +166,9 @@ def test_overwrite_under_a_running_04_is_refused_and_04_stops_when_its_inputs_ch
 
 @pytest.mark.slow  # ~35 s: three 04 runs
 def test_04_refuses_before_deleting_and_knows_its_target_by_content(tmp_path, hidden_run):
-    """Case 11: a memory budget nothing fits with --overwrite emptied train/ (a finished draft) and then
-    suggested gradient checkpointing, which did not fit either. Case 12: the same target weights at another
-    path were refused as another target."""
+    """A memory budget nothing fits, with --overwrite: 04 refuses before it empties train/ (a finished draft)
+    and suggests nothing that does not fit either. The same target weights at another path are the same
+    target: the run is already complete."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=2, checkpoint_every=2, eval_every=0)
     run_dir = tmp_path / "run"
     assert run_stage("04_train.py", cfg).returncode == 0

@@ -14,8 +14,8 @@ from common.core.config import config_from_dict
 from common.core.errors import DataError
 from common.model.draft_vocab import build_mappings, load_vocab_map
 from common.vocab.vocab_map import run_vocab_map, select_draft_vocab
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
@@ -177,7 +177,7 @@ def test_cli(tmp_path):
 
 
 def test_a_refused_overwrite_keeps_the_previous_map(tmp_path):
-    """Issue 25, case 11: --overwrite deleted vocab/ before 03 found the data unusable."""
+    """03 --overwrite on data it cannot use refuses before it deletes vocab/: the previous map stays."""
     cfg = make_cfg(tmp_path, 20, 4, TRAIN, EVAL)
     run_vocab_map(cfg)
     vocab = Path(cfg.run_dir) / "vocab"
