@@ -229,14 +229,16 @@ def test_kimi_bytes_per_token_and_batches():
 
 
 def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path, llama_bf16):
+    # ~15 shards of several forward passes each (~0.1 s a shard here): a kill point is passed by a shard or
+    # less before the kill, however late the poll comes
     run_dir = tmp_path / "run"
-    write_data(run_dir, n_train=60, n_eval=12, lengths=(20, 120))
-    tree = make_cfg(run_dir, llama_bf16, (1, 2, 3), shard_max_tokens=400, batch_max_tokens=256)
+    write_data(run_dir, n_train=260, n_eval=52, lengths=(20, 120))
+    tree = make_cfg(run_dir, llama_bf16, (1, 2, 3), shard_max_tokens=1700, batch_max_tokens=256)
     cfg_path = write_yaml(tmp_path / "run.yaml", tree)
 
     # Reference: one uninterrupted run (in this process: same CPU kernels and thread count).
     ref_dir = tmp_path / "ref"
-    write_data(ref_dir, n_train=60, n_eval=12, lengths=(20, 120))
+    write_data(ref_dir, n_train=260, n_eval=52, lengths=(20, 120))
     assert run_extraction(config_from_dict({**tree, "run_dir": str(ref_dir)}))["complete"]
     reference = shard_bytes(ref_dir)
     ref_index = json.loads((ref_dir / "hidden" / "index.json").read_text())
@@ -256,9 +258,9 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path, llama_
         for name in (p.name for p in hidden.glob("shard-*")):
             assert (hidden / name).read_bytes() == reference[name]
 
-    # Three kills, each once a number of shards drawn from those still to write exists, plus a random 0-80 ms
-    # (so some kills land inside a forward pass, some inside a shard write or index update).
-    kills = kill_while_working(lambda: start_in_own_group(stage_cmd(cfg_path)), shards_on_disk, len(reference),
+    # Three kills, each once a number of shards drawn from those still to write (but the last) exists, plus a
+    # random 0-80 ms (so some kills land inside a forward pass, some inside a shard write or index update).
+    kills = kill_while_working(lambda: start_in_own_group(stage_cmd(cfg_path)), shards_on_disk, len(reference) - 1,
                                random.Random(1234), kills=3, jitter_s=0.08, after_each=nothing_half_written)
     assert kills == 3, "the runs finished before they could be killed; make the test data larger"
 
