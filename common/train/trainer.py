@@ -137,11 +137,14 @@ class Trainer:
         self.source.verify_all()
 
     def check_outputs(self, overwrite: bool) -> str:
-        """"complete", "resume" or "fresh" (common.train.preflight.decide_outputs; rank 0 decides)."""
-        self.manifest = train_manifest(self.layout, self.source.plan is not None, self.target_id, self.draft_cfg,
-                                       self.t, self.init)
-        return on_rank0(lambda: decide_outputs(self.manifest, overwrite, self.total_steps, self.t.max_steps,
-                                               self.source.restart_rounds), self.env)
+        """"complete", "resume" or "fresh" (common.train.preflight.decide_outputs; rank 0 decides, and alone
+        holds train/'s manifest: it alone writes under train/)."""
+        def decide() -> str:
+            self.manifest = train_manifest(self.layout, self.source.plan is not None, self.target_id, self.draft_cfg,
+                                           self.t, self.init)
+            return decide_outputs(self.manifest, overwrite, self.total_steps, self.t.max_steps, self.source.restart_rounds)
+
+        return on_rank0(decide, self.env)
 
     def build_model(self) -> None:
         """Draft (seeded: every rank builds the same weights), teacher lm_head, parallel wrapper, AdamW."""
