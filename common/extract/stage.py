@@ -65,7 +65,7 @@ log = logging.getLogger("extract")
 
 @dataclass
 class Due:
-    """What is to be extracted now, as rank 0 found it (prepare, next_in_stream) and broadcast it to every rank."""
+    """What is to be extracted now, as rank 0 found it (prepare, next_in_stream), handed to every rank by on_rank0."""
 
     plan: HiddenPlan
     header: dict  # index.json's header (plan_header)
