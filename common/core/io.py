@@ -255,6 +255,17 @@ def bytes_bar(total: int, desc: str) -> tqdm:
                 dynamic_ncols=True)
 
 
+def folder_bytes(folder: Path) -> int:
+    """What the files directly in a folder weigh now; a file deleted while we look (a streaming partner's) counts 0."""
+    total = 0
+    for path in Path(folder).iterdir():
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except FileNotFoundError:
+            continue
+    return total
+
+
 def format_bytes(n: float) -> str:
     """A byte count for people, in decimal units: 512 B, 3.80 GB."""
     for unit in ("B", "KB", "MB", "GB", "TB"):

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from common.core.errors import ConfigError, DataError
-from common.core.io import bytes_bar, format_bytes, read_json
+from common.core.io import bytes_bar, folder_bytes, format_bytes, read_json
 from common.core.run_folder import Layout, StageManifest
 from common.extract.planning import load_plan, make_plan, plan_header, plan_settings, shard_bytes, write_plan
 from common.extract.scan import input_paths
@@ -195,9 +195,12 @@ def _report_extracted(cfg, info, layout: Layout, due: Due, stats: ExtractStats) 
         for frag in layout.index_fragments():
             frag.unlink(missing_ok=True)
     state = "done" if index["complete"] else "round done" if due.note else "INCOMPLETE"
+    # Under rounds the index also counts the rounds 04 trained and deleted: say what hidden/ holds now too.
+    where = (f"{format_bytes(index['bytes'])} extracted so far, {format_bytes(folder_bytes(layout.hidden))} in "
+             f"{layout.hidden} now" if due.plan.has_rounds else f"{format_bytes(index['bytes'])} in {layout.hidden}")
     print(f"02_extract_hidden: {state}: {index['num_shards']}/{index['num_planned_shards']} "
           f"shards, {index['num_tokens']:,} tokens (train {index['splits']['train']['num_samples']} / eval "
-          f"{index['splits']['eval']['num_samples']} samples), {format_bytes(index['bytes'])} in {layout.hidden}; "
+          f"{index['splits']['eval']['num_samples']} samples), {where}; "
           f"this run: {stats.tokens:,} tokens in {stats.seconds:.1f} s = {stats.tokens_per_s:,.0f} tok/s, "
           f"{format_bytes(stats.bytes)} written", flush=True)
     if due.note and not index["complete"]:
