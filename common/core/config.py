@@ -186,8 +186,8 @@ class DraftConfig:
     num_key_value_heads: Optional[Annotated[int, Range(ge=1, le=4096)]] = None
     head_dim: Optional[Annotated[int, Range(ge=1, le=4096)]] = None
     num_hidden_layers: Annotated[int, Range(ge=1, le=256)] = 1
-    rope_theta: Optional[Annotated[float, Range(gt=0)]] = None
-    rms_norm_eps: Optional[Annotated[float, Range(gt=0)]] = None
+    rope_theta: Optional[Annotated[float, Range(gt=0, le=1e12)]] = None  # published models use 1e4..1e8
+    rms_norm_eps: Optional[Annotated[float, Range(gt=0, le=1)]] = None
     norm_before_residual: bool = False
     max_position_embeddings: Optional[Annotated[int, Range(ge=1, le=2**26)]] = None
     # RoPE scaling of the draft, exported in its config.json so vLLM builds the same rotary: null = none (plain
@@ -202,12 +202,12 @@ class TrainConfig:
     loss_decay: Annotated[float, Range(gt=0, le=1)] = 0.8
     max_steps: Optional[Annotated[int, Steps]] = None  # optimizer steps; null = epochs * steps per epoch
     epochs: Annotated[int, Range(ge=1, le=100000)] = 10
-    lr: Annotated[float, Range(gt=0)] = 1e-4
+    lr: Annotated[float, Range(gt=0, le=1)] = 1e-4  # AdamW; above 1 is a typo, not a schedule
     min_lr: Annotated[float, NonNegative] = 0.0
     warmup_ratio: Annotated[float, Fraction] = 0.015
-    weight_decay: Annotated[float, NonNegative] = 0.0
+    weight_decay: Annotated[float, Range(ge=0, le=1)] = 0.0  # decoupled: a fraction of lr * w per step
     betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.95])  # AdamW beta1, beta2
-    grad_clip: Annotated[float, NonNegative] = 0.5  # 0 = no clipping
+    grad_clip: Annotated[float, Range(ge=0, le=1e6)] = 0.5  # 0 = no clipping
     batch_max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 8192  # tokens per micro-batch per process
     grad_accum: Annotated[int, Range(ge=1, le=2**16)] = 1
     # recompute each TTT step's layers in backward: null = only when 04's memory planner says the step does not

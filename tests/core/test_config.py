@@ -121,7 +121,7 @@ def test_defaults_are_a_valid_config():
     ("generate.temperature=-3", "config key 'generate.temperature' must be >= 0, got -3.0"),
     ("generate.top_p=7", "config key 'generate.top_p' must be > 0 and <= 1, got 7.0"),
     ("train.warmup_ratio=5", "config key 'train.warmup_ratio' must be >= 0 and <= 1, got 5.0"),
-    ("train.grad_clip=-1", "config key 'train.grad_clip' must be >= 0, got -1.0"),
+    ("train.grad_clip=-1", "config key 'train.grad_clip' must be >= 0 and <= 1000000, got -1.0"),
     ("train.epochs=0", "config key 'train.epochs' must be >= 1 and <= 100000, got 0"),
     ("train.eval_every=-1", "config key 'train.eval_every' must be >= 0 and <= 1000000000000, got -1"),
     ("extract.min_free_disk_gb=-100", "config key 'extract.min_free_disk_gb' must be >= 0 and <= 1000000, got -100.0"),
@@ -312,6 +312,23 @@ def test_step_intervals_and_max_samples_are_bounded(key, bound, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"run_dir": "run"}, [f"{key}={bound + 1}"])
     assert str(e.value) == message and "\n" not in message
+
+
+@pytest.mark.parametrize("key, bound, above, message", [
+    ("draft.rope_theta", 1e12, 1.5e12, "must be > 0 and <= 1000000000000, got 1500000000000.0"),
+    ("draft.rms_norm_eps", 1, 2, "must be > 0 and <= 1, got 2.0"),
+    ("train.lr", 1, 10, "must be > 0 and <= 1, got 10.0"),
+    ("train.weight_decay", 1, 2, "must be >= 0 and <= 1, got 2.0"),
+    ("train.grad_clip", 1e6, 2e6, "must be >= 0 and <= 1000000, got 2000000.0"),
+])
+def test_float_settings_are_bounded(key, bound, above, message):
+    """A float setting beyond any sane value (a typo such as lr=1e4) is refused in one line before a run starts
+    instead of training to NaN; the bound itself is accepted."""
+    section, name = key.split(".")
+    assert getattr(getattr(config_from_dict({"run_dir": "run"}, [f"{key}={bound}"]), section), name) == bound
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"run_dir": "run"}, [f"{key}={above}"])
+    assert str(e.value) == f"config key '{key}' {message}"
 
 
 def test_a_refused_disk_budget_deletes_nothing(tmp_path):
