@@ -115,7 +115,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     if overwrite:
         # Every refusal comes before the previous outputs go: a refused --overwrite leaves them as they were.
         check_token_sources(cfg, layout, tokenizer, prompts, {})
-        server = check_server(cfg, prompts, tokenizer)
+        server = check_server(cfg, prompts, tokenizer, overwrite=True)
         for p in layout.generate_outputs():
             p.unlink(missing_ok=True)
     status = manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl])

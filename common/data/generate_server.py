@@ -2,10 +2,12 @@
 
 check_server runs them in order (and before --overwrite deletes anything, so a refused start
 keeps the previous outputs): the server answers and serves the model (resolve_model), it
-tokenizes as our tokenizer does (check_tokenizer_matches, via vLLM's /tokenize), and with
-tokenize.token_ids_from=server it returns token ids (check_server_token_ids). Then it prints how
-many requests the server's KV cache holds beside generate.concurrency (report_server_capacity).
-Each of these calls has a deadline of generate.timeout_s, at most 30 s (check_timeout).
+tokenizes as our tokenizer does (check_tokenizer_matches, via vLLM's /tokenize), and it answers a
+1-token chat request (probe_chat: with tokenize.token_ids_from=server always, as that request must
+come back with token ids; otherwise under --overwrite, where a server that lists models but refuses
+chat would fail only after the old outputs were deleted). Then it prints how many requests the
+server's KV cache holds beside generate.concurrency (report_server_capacity). Each of these calls
+has a deadline of generate.timeout_s, at most 30 s (check_timeout; 60 s for the chat probe).
 """
 
 from __future__ import annotations
@@ -36,24 +38,25 @@ class ServerCheck:
     tokenizer_check: str
 
 
-def check_server(cfg: Config, todo: list[dict], tokenizer) -> ServerCheck:
+def check_server(cfg: Config, todo: list[dict], tokenizer, overwrite: bool = False) -> ServerCheck:
     """Before any generation request (and before --overwrite deletes anything): the server answers,
-    serves the model, tokenizes as our tokenizer does and (token_ids_from=server) returns token ids;
-    its KV capacity is printed. Every call within generate.timeout_s in all."""
-    server = asyncio.run(_check_server(cfg, tokenizer))
+    serves the model, tokenizes as our tokenizer does and answers a 1-token chat request (with token
+    ids under token_ids_from=server; under --overwrite in any mode); its KV capacity is printed."""
+    server = asyncio.run(_check_server(cfg, tokenizer, overwrite))
     report_server_capacity(cfg.generate, todo, tokenizer)
     return server
 
 
-async def _check_server(cfg: Config, tokenizer) -> ServerCheck:
+async def _check_server(cfg: Config, tokenizer, overwrite: bool) -> ServerCheck:
     client = make_client(cfg.generate)
     try:
         model = await resolve_model(client, cfg)  # first request: an unreachable server fails in a second
         tok_check = await check_tokenizer_matches(client, cfg, model, tokenizer)
         if tok_check != "match":
             log.warning("could not verify the tokenizer against the server: %s", tok_check)
-        if cfg.tokenize.token_ids_from == "server":
-            await check_server_token_ids(client, cfg.generate, model)
+        server_ids = cfg.tokenize.token_ids_from == "server"
+        if server_ids or overwrite:
+            await probe_chat(client, cfg.generate, model, return_token_ids=server_ids)
         return ServerCheck(model, tok_check)
     finally:
         await client.close()
@@ -137,25 +140,46 @@ async def check_tokenizer_matches(client, cfg: Config, model: str, tokenizer) ->
     return "match"
 
 
-async def check_server_token_ids(client, g: GenerateConfig, model: str) -> None:
-    """token_ids_from=server: one 1-token request must come back with token ids, or every
-    request of the run would (after generating in full). Transient trouble only warns: each
-    real request is checked again."""
+async def probe_chat(client, g: GenerateConfig, model: str, return_token_ids: bool) -> None:
+    """One 1-token chat request, as every request of the run will be. A refusal that every request would
+    meet is one error line now: the key (401/403; a proxy may list models without one), the request
+    (400/404/422: say a model without a chat template) or, with return_token_ids, a server that returns
+    no token ids (vLLM < 0.10). Transient trouble (timeouts, 5xx, resets) only warns: each real request
+    is retried and checked."""
     import openai
 
     try:
         resp = await client.with_options(timeout=min(g.timeout_s, 60.0)).chat.completions.create(
             **chat_request(g, model, [{"role": "user", "content": "hi"}], max_tokens=1, temperature=0.0,
-                           return_token_ids=True))
+                           return_token_ids=return_token_ids))
         turn = parse_completion(resp)
+    except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+        raise PipelineError(f"the server at {g.base_url} refused a 1-token chat request with {e.status_code} "
+                            f"({_server_message(e)}); check the API key in the environment variable {g.api_key_env} "
+                            f"(generate.api_key_env) and its permissions, then rerun: nothing was generated or deleted") from None
     except openai.BadRequestError as e:
-        raise PipelineError(f"the server at {g.base_url} rejected a request with return_token_ids=true "
-                            f"({' '.join(str(e).split())[:200]}); {MISSING_TOKEN_IDS}") from None
-    except Exception as e:  # noqa: BLE001 - transient: the per-request check still applies
-        log.warning("could not check that the server returns token ids (%s); each request is checked", type(e).__name__)
+        if return_token_ids:
+            raise PipelineError(f"the server at {g.base_url} rejected a request with return_token_ids=true "
+                                f"({_server_message(e)}); {MISSING_TOKEN_IDS}") from None
+        raise _refused(g, e) from None
+    except (openai.NotFoundError, openai.UnprocessableEntityError) as e:
+        raise _refused(g, e) from None
+    except Exception as e:  # noqa: BLE001 - transient: the per-request checks still apply
+        log.warning("could not check a 1-token chat request (%s); each request is checked", type(e).__name__)
         return
-    if not has_token_ids(turn):
+    if return_token_ids and not has_token_ids(turn):
         raise PipelineError(f"the server at {g.base_url}: {MISSING_TOKEN_IDS}")
+
+
+def _server_message(e) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _refused(g: GenerateConfig, e) -> PipelineError:
+    return PipelineError(f"the server at {g.base_url} refused a 1-token chat request with {e.status_code} "
+                         f"({_server_message(e)}); every request of the run would be refused: check generate.model, "
+                         f"that the served model has a chat template, and generate.extra_body, then rerun: nothing "
+                         f"was generated or deleted")
 
 
 def report_server_capacity(g: GenerateConfig, todo: list[dict], tokenizer, sample: int = 32) -> Optional[int]:

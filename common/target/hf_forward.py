@@ -178,7 +178,7 @@ def load_target_model(target, device: str, local_rank: int = 0, world_size: int 
     if placement != "cpu" and not placement.startswith("cuda:"):
         kwargs["device_map"] = placement  # sharded over the visible GPUs
     try:
-        model = AutoModelForCausalLM.from_pretrained(target.model, **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(target.model, output_loading_info=True, **kwargs)
     except (OSError, ValueError) as e:
         if not target.trust_remote_code and ("custom code" in str(e) or "trust_remote_code" in str(e)):
             # Kimi-K2.5's layout: transformers knows its config but loads the model only from its own code.
@@ -190,7 +190,23 @@ def load_target_model(target, device: str, local_rank: int = 0, world_size: int 
     except Exception as e:  # safetensors' own error types on a truncated/corrupt shard
         check_safetensors_readable(target.model)  # raises naming the bad file
         raise DataError(f"cannot load target.model '{target.model}': {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    check_nothing_missing(target.model, loading)
     if "device_map" not in kwargs:
         model.to(placement)
     model.eval()
     return model, placement
+
+
+def check_nothing_missing(model_path: str, loading: dict) -> None:
+    """transformers starts a weight the checkpoint lacks at random (with a warning): hidden states of that model
+    would teach the draft a model that does not exist, so a missing weight is an error."""
+    missing, unexpected = sorted(loading.get("missing_keys") or []), sorted(loading.get("unexpected_keys") or [])
+    if missing:
+        def some(keys: list) -> str:
+            return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+        raise DataError(
+            f"target.model '{model_path}' lacks {len(missing)} weight(s) its architecture needs ({some(missing)})"
+            + (f"; its safetensors hold others ({some(unexpected)})" if unexpected else "")
+            + ": transformers would start them at random. Re-download the target, or rename its weights to its "
+              "config's architecture")

@@ -57,8 +57,7 @@ from common.train.init_from import InitDraft
 from common.train.ledger import LEDGER_FILE
 from common.train.memory_plan import check_fits, gpu_capacity, plan_for_capacity
 from common.train.optim import build_optimizer, lr_at
-from common.train.preflight import (check_target, decide_outputs, resolve_precision, run_fingerprint,
-                                    train_manifest)
+from common.train.preflight import check_target, decide_outputs, resolve_precision, run_fingerprint, train_manifest
 from common.train.progress import Progress
 from common.train.source import TrainSource
 from common.train.step import StepSettings, TrainStep, resolve_attention, resolve_compile
@@ -146,15 +145,14 @@ class Trainer:
 
         return on_rank0(decide, self.env)
 
-    def build_model(self) -> None:
-        """Draft (seeded: every rank builds the same weights), teacher lm_head, parallel wrapper, AdamW."""
+    def build_model(self, target: dict) -> None:
+        """Draft (seeded: every rank builds the same weights), teacher lm_head (of `target`), parallel wrapper, AdamW."""
         t, env = self.t, self.env
         torch.manual_seed(t.seed)
         random.seed(t.seed + env.rank)
         np.random.seed(t.seed + env.rank)
         if not self.on_gpu:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        target = load_target_tensors(self.cfg.target.model)
         draft = Eagle3DraftModel(self.draft_cfg)
         draft.load_target_embedding(target["embed"].float())
         if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:
@@ -231,8 +229,10 @@ class Trainer:
 
     def run(self, overwrite: bool) -> int:
         env, t = self.env, self.t
+        target = None
         if overwrite:  # every refusal comes before --overwrite deletes train/ (it may hold a finished draft)
             self.check_can_train()
+            target = load_target_tensors(self.cfg.target.model)  # the target's tensors load, too
         status = self.check_outputs(overwrite)
         if status == "complete":
             self.say(f"04_train: already complete ({self.total_steps} steps, draft in {self.layout.final}); nothing to do "
@@ -248,7 +248,8 @@ class Trainer:
                 shutil.rmtree(stale, ignore_errors=True)
         barrier(env)
 
-        self.build_model()
+        self.build_model(target if target is not None else load_target_tensors(self.cfg.target.model))
+        del target  # build_model kept what it needs (the teacher lm_head on the device)
         self.init_state()
         self.say(
             f"04_train: draft {self.n_params / 1e6:.2f}M trainable params (hidden {self.draft_cfg.hidden_size}, "

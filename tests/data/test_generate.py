@@ -293,7 +293,9 @@ def test_overwrite_restarts(run_dir, write_config, chat_tokenizer_dir, api_key):
         cfg_path = config(write_config, server, chat_tokenizer_dir)
         assert run_stage(load_config(cfg_path)) == 0
         assert run_stage(load_config(cfg_path), overwrite=True) == 0
-        assert server.stats.chat_requests == 2 * sum(1 + (p["id"] in ("p002",)) for p in prompts)
+        # every prompt twice (p002 has two user turns), and --overwrite's 1-token chat probe before it deleted anything
+        assert server.stats.chat_requests == 2 * sum(1 + (p["id"] in ("p002",)) for p in prompts) + 1
+        assert server.stats.requests_by_prompt["hi"] == 1
     assert_accounted(run_dir, prompts)
 
 

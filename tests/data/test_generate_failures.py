@@ -45,6 +45,28 @@ def test_01b_auth_error_stops_the_run_at_once(run_dir, gen, status):
     assert report["complete"] is False and str(status) in report["error"]
 
 
+@pytest.mark.parametrize("status, advice", [(401, "EAGLE3_TEST_API_KEY"), (400, "chat template")])
+def test_01b_overwrite_checks_chat_before_it_deletes_the_previous_outputs(run_dir, gen, status, advice):
+    """A server that lists models but refuses every chat request (a proxy that lets GET /models through without a
+    key: 401; a served model without a chat template: 400): 01b --overwrite finds out with one 1-token request
+    before it deletes anything, says why in one line, and the previous outputs stay byte for byte."""
+    from tests.data.test_generate import SECRET, make_prompts
+
+    make, run = gen
+    make_prompts(run_dir, 6)
+    with FaultServer(Faults()) as server:
+        assert run(make(server)).returncode == 0
+    data = run_dir / "data"
+    before = {p.name: p.read_bytes() for p in data.iterdir() if p.is_file()}
+    assert {"raw_responses.jsonl", "train.jsonl"} <= set(before)
+    with FaultServer(Faults(chat_status=status)) as server:
+        res = run_stage("01b_generate_synthetic.py", make(server), "--overwrite",
+                        env=stage_env(EAGLE3_TEST_API_KEY=SECRET), timeout=300)
+        assert server.stats.chat_requests == 1
+    error_line(res, f"refused a 1-token chat request with {status}", advice, "nothing was generated or deleted")
+    assert {p.name: p.read_bytes() for p in data.iterdir() if p.is_file()} == before
+
+
 @pytest.mark.parametrize("faults, cause", [
     (Faults(p_503=1.0), "503 x12"),
     (Faults(p_non_json=1.0), "MalformedResponse x12"),

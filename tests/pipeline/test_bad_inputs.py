@@ -639,6 +639,51 @@ def test_04_truncated_target_weights_name_the_file(cli, tmp_path, hidden_run):
     assert not (tmp_path / "run" / "train" / "checkpoints").exists()
 
 
+def renamed_embedding_target(src: Path, dest: Path) -> Path:
+    """A copy of the target whose embedding is stored under a name its architecture does not know."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    weights = load_file(dest / "model.safetensors")
+    weights["model.tok_embeddings.weight"] = weights.pop("model.embed_tokens.weight")
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def test_02_a_target_missing_a_weight_is_refused_before_overwrite_deletes(cli, tmp_path, hidden_run):
+    """transformers starts a weight the checkpoint lacks at random (and only warns): 02 refuses such a target in one
+    line naming the missing and the unknown weight, before --overwrite deletes the hidden states already there."""
+    cfg = clone_run(hidden_run, tmp_path)
+    tree = yaml.safe_load(cfg.read_text())
+    tree["target"]["model"] = str(renamed_embedding_target(Path(tree["target"]["model"]), tmp_path / "target"))
+    write_yaml(cfg, tree)
+    hidden = tmp_path / "run" / "hidden"
+    before = {p.name: p.read_bytes() for p in hidden.iterdir()}
+    error_line(cli("02_extract_hidden.py", "--config", cfg, "--overwrite"), "lacks 1 weight(s)",
+               "(model.embed_tokens.weight)", "its safetensors hold others (model.tok_embeddings.weight)")
+    assert {p.name: p.read_bytes() for p in hidden.iterdir()} == before
+
+
+def test_04_overwrite_keeps_the_finished_draft_when_the_target_tensors_do_not_load(cli, tmp_path, hidden_run):
+    """04 --overwrite loads the target's embedding and lm_head before it deletes train/ (which may hold a finished
+    draft). Here hidden states of an older 02, which did not record the target's weights, so only the load itself
+    finds the target's embedding missing: one error line, and train/ as it was."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=2, eval_every=0)
+    assert_ok(cli("04_train.py", "--config", cfg))
+    train = tmp_path / "run" / "train"
+    before = {p: p.read_bytes() for p in train.rglob("*") if p.is_file()}
+    assert train / "final" / "model.safetensors" in before
+    index_path = tmp_path / "run" / "hidden" / "index.json"
+    index = json.loads(index_path.read_text())
+    del index["target_weights"]
+    index_path.write_text(json.dumps(index))
+    tree = yaml.safe_load(cfg.read_text())
+    tree["target"]["model"] = str(renamed_embedding_target(Path(tree["target"]["model"]), tmp_path / "target"))
+    write_yaml(cfg, tree)
+    error_line(cli("04_train.py", "--config", cfg, "--overwrite"), "no embedding tensor")
+    assert {p: p.read_bytes() for p in train.rglob("*") if p.is_file()} == before
+
+
 # ============================================================================ disk full (tmpfs)
 
 

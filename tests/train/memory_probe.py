@@ -25,6 +25,7 @@ def main(config_path: str, steps: int, overrides: list[str]) -> None:
 
     from common.core.config import load_config
     from common.core.distributed import init_distributed
+    from common.target.loading import load_target_tensors
     from common.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -32,7 +33,7 @@ def main(config_path: str, steps: int, overrides: list[str]) -> None:
     env = init_distributed()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = Trainer(cfg, env)
-        trainer.build_model()
+        trainer.build_model(load_target_tensors(cfg.target.model))
         trainer.init_state()
         trainer.progress.bar = type("Bar", (), {"update": lambda self, n: None})()
         batches = trainer.data.stream(trainer.pos, steps)
