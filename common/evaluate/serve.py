@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from common.core.config import Config
 from common.core.errors import PipelineError
@@ -187,14 +187,16 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
 
 
 def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path,
-                       log_name: str = "vllm_eval_draft") -> dict[str, DraftRun]:
-    """Target + draft: each prompt set between its own pair of /metrics scrapes."""
+                       log_name: str = "vllm_eval_draft", on_ready: Callable[[], None] = lambda: None) -> dict[str, DraftRun]:
+    """Target + draft: each prompt set between its own pair of /metrics scrapes. on_ready runs once the server
+    is up and answered its warm-up request (05 --overwrite deletes the previous outputs there)."""
     from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
 
     k = cfg.evaluate.num_speculative_tokens
     measured = {}
     with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log(log_name)) as server:
         warm_up(cfg, server.base_url, sets[HELD_OUT].prompts)
+        on_ready()
         for name, prompt_set in sets.items():
             before = spec_decode_metrics(scrape_metrics(server.base_url))
             run = run_prompts(cfg, server.base_url, prompt_set.prompts, desc=f"target + draft (k={k}, {name})")

@@ -189,15 +189,20 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
     # Every check comes before --overwrite deletes the previous eval/ outputs: a refusal loses nothing.
     draft = checked_draft(cfg, layout, draft_dir, foreign_draft)
     key = report_key(cfg, sets, draft.path, draft.sha256, foreign_draft)
-    if overwrite:
-        for p in layout.evaluate_outputs(sets):
-            p.unlink(missing_ok=True)
     manifest = stage_manifest(cfg, key)
-    if manifest.begin(overwrite, outputs=[layout.eval_report]) == "complete":
+    if not overwrite and manifest.begin(False, outputs=[layout.eval_report]) == "complete":
         manifest.record("already_complete")
         print_lines(summary_lines(read_json(layout.eval_report)), f"already complete ({layout.eval_report}): ", "; use --overwrite to redo")
         return 0
-    measured = serve.measure_with_draft(cfg, layout, sets, draft.path)
+
+    def start_over() -> None:
+        # --overwrite: only once vLLM runs with the draft and answered its warm-up, so that what can only fail
+        # there (vLLM's start, the draft's load, the first request) fails before the previous outputs go.
+        for p in layout.evaluate_outputs(sets):
+            p.unlink(missing_ok=True)
+        manifest.begin(True, outputs=[layout.eval_report])
+
+    measured = serve.measure_with_draft(cfg, layout, sets, draft.path, on_ready=start_over if overwrite else lambda: None)
     baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url)
     files = ReportFiles(layout.eval_report, layout.eval_plot, layout.eval_outputs_of)
     report = build_report(cfg, layout, sets, draft, key, measured, baselines, files)

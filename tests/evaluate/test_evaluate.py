@@ -592,6 +592,42 @@ def test_05_refuses_a_broken_draft_config_before_vllm_and_before_overwrite_delet
     assert eval_files(run_env.run) == before  # byte-identical: nothing deleted before the refusal
 
 
+def test_05_overwrite_keeps_the_previous_outputs_until_vllm_runs_with_the_draft(run_env, monkeypatch):
+    """--overwrite deletes the previous eval/ outputs only once vLLM runs with the draft and answered its warm-up:
+    a vLLM that does not start, or an engine that dies on its first request, is an error that leaves them byte
+    for byte (and the stage record complete); a working --overwrite then measures everything again, the
+    target alone included."""
+    from common.core.run_folder import Layout, read_manifest
+
+    assert evaluate.run_stage(run_env.cfg) == 0
+    before = eval_files(run_env.run)
+    assert {"report.json", "report.png", "outputs.jsonl", "baseline.json"} <= set(before)
+
+    @contextlib.contextmanager
+    def vllm_that_does_not_start(cfg_, speculative=None, log_path=None):
+        raise PipelineError("the vLLM server exited with code 1 while starting; see its log")
+        yield
+
+    with monkeypatch.context() as m:
+        m.setattr(serve, "target_server", vllm_that_does_not_start)
+        with pytest.raises(PipelineError, match="while starting"):
+            evaluate.run_stage(run_env.cfg, overwrite=True)
+    assert eval_files(run_env.run) == before
+    run_env.die_on_chat = True
+    with pytest.raises(PipelineError, match="failed its warm-up request"):
+        evaluate.run_stage(run_env.cfg, overwrite=True)
+    assert eval_files(run_env.run) == before
+    assert read_manifest(Layout.of(run_env.cfg), "05_evaluate")["state"] == "complete"
+
+    run_env.die_on_chat = False
+    started = len(run_env.started)
+    assert evaluate.run_stage(run_env.cfg, overwrite=True) == 0
+    assert [s["speculative"] is not None for s in run_env.started[started:]] == [True, False]  # draft, then target alone
+    after = eval_files(run_env.run)
+    assert set(after) == set(before) and after["baseline.json"] != before["baseline.json"]  # measured again (new time)
+    assert read_manifest(Layout.of(run_env.cfg), "05_evaluate")["state"] == "complete"
+
+
 def test_05_refuses_a_draft_trained_on_other_aux_layers(run_env, tmp_path, capsys):
     """A draft whose eagle_aux_hidden_state_layer_ids differ from this run's extraction is refused in one line
     (this run's prediction says nothing about it); --foreign-draft measures it, without this run's prediction."""
