@@ -202,7 +202,7 @@ class TrainConfig:
     loss_decay: Annotated[float, Range(gt=0, le=1)] = 0.8
     max_steps: Optional[Annotated[int, Steps]] = None  # optimizer steps; null = epochs * steps per epoch
     epochs: Annotated[int, Range(ge=1, le=100000)] = 10
-    lr: Annotated[float, Range(gt=0, le=1)] = 1e-4  # AdamW; above 1 is a typo, not a schedule
+    lr: Annotated[float, Range(gt=0)] = 1e-4  # unbounded: a run that diverges stops at its first non-finite gradient
     min_lr: Annotated[float, NonNegative] = 0.0
     warmup_ratio: Annotated[float, Fraction] = 0.015
     weight_decay: Annotated[float, Range(ge=0, le=1)] = 0.0  # decoupled: a fraction of lr * w per step

@@ -317,13 +317,13 @@ def test_step_intervals_and_max_samples_are_bounded(key, bound, message):
 @pytest.mark.parametrize("key, bound, above, message", [
     ("draft.rope_theta", 1e12, 1.5e12, "must be > 0 and <= 1000000000000, got 1500000000000.0"),
     ("draft.rms_norm_eps", 1, 2, "must be > 0 and <= 1, got 2.0"),
-    ("train.lr", 1, 10, "must be > 0 and <= 1, got 10.0"),
     ("train.weight_decay", 1, 2, "must be >= 0 and <= 1, got 2.0"),
     ("train.grad_clip", 1e6, 2e6, "must be >= 0 and <= 1000000, got 2000000.0"),
 ])
 def test_float_settings_are_bounded(key, bound, above, message):
-    """A float setting beyond any sane value (a typo such as lr=1e4) is refused in one line before a run starts
-    instead of training to NaN; the bound itself is accepted."""
+    """A float setting beyond any sane value (a typo such as rms_norm_eps=1e6) is refused in one line before a run
+    starts; the bound itself is accepted. (train.lr has no bound: test_train's diverged run needs lr 1e30, and 04
+    stops a diverging run at its first non-finite gradient.)"""
     section, name = key.split(".")
     assert getattr(getattr(config_from_dict({"run_dir": "run"}, [f"{key}={bound}"]), section), name) == bound
     with pytest.raises(ConfigError) as e:
