@@ -337,6 +337,7 @@ class Pipeline:
     def generate(self) -> None:
         """01b and the target-alone baseline of 05 share one server of the target."""
         self.current = "01b_generate_synthetic"
+        self.check_before_server()
         url = self.args.server_url
         if url is None and (generation_pending(self.cfg) or baseline_pending(self.cfg)):
             from common.evaluate.serve import target_server
@@ -352,6 +353,21 @@ class Pipeline:
         if url is not None:
             self.stage("05_baseline", "05_evaluate.py", "--baseline-only", "--base-url", url)
         self.stop_server()
+
+    def check_before_server(self) -> None:
+        """What 01b and 05 would refuse without a server, checked before one starts (~100 s on a CPU): the chat
+        template and the token-id source, prompts longer than server.max_model_len, and every prompt set of 05
+        (readable, usable rows left, apart from the training split)."""
+        from common.data.generate import check_before_server
+        from common.evaluate.prompt_sets import load_prompt_sets, say_left_out
+
+        t0 = time.monotonic()
+        status = check_before_server(self.cfg)
+        sets = load_prompt_sets(self.cfg)
+        say_left_out(sets)
+        status += f"; {len(sets)} prompt set(s) for 05: " + ", ".join(f"{n} {len(s.prompts)}" for n, s in sets.items())
+        self.timings.append(("checks before vLLM", time.monotonic() - t0, status))
+        print(f"--- checks before vLLM: {status}", flush=True)
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -417,7 +433,7 @@ class Pipeline:
 
         def progress():
             manifest = read_manifest(self.layout, "04_train") or {}
-            return manifest.get("state"), manifest.get("result"), read_consumed(self.layout.hidden_consumed)
+            return manifest.get("state"), manifest.get("result"), read_consumed(self.layout)
 
         while (read_manifest(self.layout, "04_train") or {}).get("state") != "complete":
             before = progress()

@@ -171,6 +171,15 @@ KIMI_LIKE_TEMPLATE = (
 )
 KIMI_LIKE_SPECIAL = ("<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
 
+# SmolLM2-135M-Instruct's template (Llama-3.1 and Mistral are alike in this): ChatML with a default system
+# turn and no reasoning part; the model has no <think> token.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # A generation prompt that ends inside a word ("...\nA"): a reply that continues the word
 # ("nswer") merges into one token with it, so its tokens cannot be located.
 PROMPT_ENDS_MID_WORD_TEMPLATE = (

@@ -69,6 +69,7 @@ class Faults:
     chat_status: Optional[int] = None  # answer every chat completion with this error status (401: a rejected key)
     drip_s: float = 0.0  # > 0: send every answer on drip_paths one byte per drip_s seconds (each read is quick, the whole is not)
     drip_paths: tuple[str, ...] = ("/v1/chat/completions",)  # of /v1/chat/completions, /v1/models, /tokenize, /metrics, /health
+    reasoning: bool = True  # False: a model without reasoning (Llama-3.1, SmolLM2): answers carry content only
 
 
 @dataclass
@@ -127,8 +128,10 @@ def expected_token_ids(messages: list[dict]) -> tuple[list[int], list[int]]:
     return prompt, completion
 
 
-def completion_body(messages: list[dict], model: str, token_ids: bool = False) -> dict:
+def completion_body(messages: list[dict], model: str, token_ids: bool = False, reasoning: bool = True) -> dict:
     reply = expected_reply(messages)
+    if not reasoning:
+        reply = {"reasoning": "", "content": reply["content"], "reasoning_field": None}
     message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
     if reply["reasoning_field"]:
         message[reply["reasoning_field"]] = reply["reasoning"]
@@ -348,7 +351,7 @@ class FaultServer:
             if kind:
                 s.faults[kind] += 1
             want_ids = self.token_ids and req.get("return_token_ids") is True and NO_TOKEN_IDS_MARKER not in last_user
-            full = json.dumps(completion_body(messages, self.model, token_ids=want_ids)).encode()
+            full = json.dumps(completion_body(messages, self.model, token_ids=want_ids, reasoning=self.faults.reasoning)).encode()
             if kind == "hang":
                 await asyncio.sleep(self.faults.hang_s)
                 return False

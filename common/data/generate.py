@@ -46,6 +46,7 @@ from common.data.generate_server import ServerCheck, check_server
 from common.data.generate_tokenize import (
     TokenizeCounts,
     check_token_sources,
+    leave_out_overlong,
     load_target_tokenizer,
     tokenize_outputs,
     tokenizer_path,
@@ -110,6 +111,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     prompts, report = read_prompts(layout)
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_target_tokenizer(cfg)
+    prompts = leave_out_unservable(cfg, tokenizer, prompts, report)
     manifest = stage_manifest(cfg, layout, tokenizer)
     server: Optional[ServerCheck] = None  # once the server passed check_server
     if overwrite:
@@ -171,6 +173,31 @@ def read_prompts(layout: Layout) -> tuple[list[dict], GenerateReport]:
         log.warning("%s: skipped %d prompt row(s) that stage 01 would drop (%s)", layout.prompts, sum(skipped.values()),
                     ", ".join(f"{k} {v}" for k, v in skipped.most_common()))
     return prompts, GenerateReport(num_prompts=len(prompts), duplicate_prompt_ids=dup_prompts, skipped_prompts=dict(skipped))
+
+
+def leave_out_unservable(cfg: Config, tokenizer, prompts: list[dict], report: GenerateReport) -> list[dict]:
+    """Leave out, before any request, the prompts the server would refuse (longer than its context);
+    counted in the report's skipped_prompts and said in one line."""
+    skipped: Counter = Counter()
+    kept = leave_out_overlong(cfg, tokenizer, prompts, skipped)
+    if skipped:
+        print(f"01b_generate_synthetic: left out {sum(skipped.values())} of {len(prompts)} prompts the server cannot take "
+              f"({', '.join(f'{k} {v}' for k, v in skipped.most_common())}; server.max_model_len="
+              f"{cfg.server.max_model_len})", flush=True)
+    report.skipped_prompts = dict(Counter(report.skipped_prompts) + skipped)
+    report.num_prompts = len(kept)
+    return kept
+
+
+def check_before_server(cfg: Config) -> str:
+    """Every check of 01b that needs no server (run_pipeline.py runs it before it starts vLLM): the prompts
+    read, the tokenizer loads, the token-id source works, some prompt fits the context. Returns a status line."""
+    layout = Layout.of(cfg)
+    prompts, report = read_prompts(layout)
+    tokenizer = load_target_tokenizer(cfg)
+    prompts = leave_out_unservable(cfg, tokenizer, prompts, report)
+    check_token_sources(cfg, layout, tokenizer, prompts, {})  # the rows already done: 01b checks them itself
+    return f"{len(prompts)} prompts to serve, token ids from {cfg.tokenize.token_ids_from}: checked"
 
 
 def stage_manifest(cfg: Config, layout: Layout, tokenizer) -> StageManifest:

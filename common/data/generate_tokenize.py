@@ -75,19 +75,52 @@ def check_token_sources(cfg: Config, layout: Layout, tokenizer, prompts: list[di
 
 def check_token_ids_source(cfg: Config, tokenizer, multi_turn: bool) -> None:
     """Fail fast, before any request: with token_ids_from=template the chat template must
-    reproduce a generated turn (reasoning included), or tokenization would fail only after
-    the whole generation. Probes one turn, and two when some prompt has several user turns."""
+    reproduce a generated turn, or tokenization would fail only after the whole generation.
+    Probes one turn, and two when some prompt has several user turns. The probe carries reasoning
+    unless the model has none: a template without a reasoning part, a tokenizer without <think>, and
+    no server.reasoning_parser (Llama-3.1, Mistral, SmolLM2: vLLM returns no reasoning field for them)."""
     if cfg.tokenize.token_ids_from != "template":
         return
-    from common.target.tokenization import stop_token_ids, tokenize_conversation
+    from common.target.tokenization import renders_reasoning, stop_token_ids, tokenize_conversation
 
+    kwargs = template_kwargs_of(cfg.generate)
     probe = PROBE_TURNS if multi_turn else PROBE_TURNS[:2]
     try:
+        if not renders_reasoning(tokenizer, kwargs) and not thinks(cfg, tokenizer):
+            probe = [{k: v for k, v in m.items() if k != "reasoning"} for m in probe]
         tokenize_conversation(tokenizer, probe, 1 << 30, stop_ids=stop_token_ids(tokenizer, tokenizer_path(cfg)),
-                              template_kwargs=template_kwargs_of(cfg.generate))
+                              template_kwargs=kwargs)
     except DataError as e:
         raise DataError(f"{e}; checked before generating: set tokenize.token_ids_from=server to take token ids "
                         "from vLLM instead") from None
+
+
+def thinks(cfg: Config, tokenizer) -> bool:
+    """Whether the server can return reasoning apart from the content: a reasoning parser is set, or the
+    tokenizer knows a think marker (Qwen3, DeepSeek-R1, Kimi-K2.5)."""
+    vocab = tokenizer.get_vocab()
+    return bool(cfg.server.reasoning_parser) or any(t in vocab for t in ("<think>", "</think>"))
+
+
+def leave_out_overlong(cfg: Config, tokenizer, prompts: list[dict], skipped: Counter) -> list[dict]:
+    """The prompts the server can take: one of server.max_model_len tokens or more (as the chat template
+    renders it) would come back 400, one round trip each. The others are counted in `skipped`, by reason."""
+    from common.target.tokenization import ContextCheck
+
+    check = ContextCheck(tokenizer, cfg.server.max_model_len, template_kwargs_of(cfg.generate))
+    kept = []
+    for p in prompts:
+        reason = check.reason(p["messages"])
+        if reason:
+            skipped[reason] += 1
+        else:
+            kept.append(p)
+    if not kept and prompts:
+        raise DataError(f"all {len(prompts)} prompts of {Layout.of(cfg).prompts} are too long for the server "
+                        f"(server.max_model_len={cfg.server.max_model_len} tokens, the prompt as the chat template "
+                        f"renders it included; {dict(skipped)}); raise server.max_model_len or shorten the prompts "
+                        f"(data.max_user_turns)")
+    return kept
 
 
 # ----------------------------------------------------------------------------- the samples

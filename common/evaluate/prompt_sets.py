@@ -12,7 +12,8 @@ first user turn (what the held-out set sends too: the later turns would need the
     text                       plain text
 
 A row of none of these shapes is counted (report: "rows_skipped", by reason), not an error; a set with
-no usable row is. Every set but the held-out one measures prompts the draft was not trained on, so a
+no usable row is. So is a prompt the server cannot take (server.max_model_len tokens or more as the chat
+template renders it: vLLM would answer 400): counted as over_max_model_len, before any request. Every set but the held-out one measures prompts the draft was not trained on, so a
 set that shares a prompt with the training split is refused.
 """
 
@@ -27,6 +28,7 @@ from common.core.errors import DataError
 from common.core.io import iter_jsonl
 from common.core.run_folder import HELD_OUT, OTHER, Layout
 from common.core.sources import BadFields, iter_source, keep_prompt, row_messages
+from common.target.tokenization import ContextCheck
 
 PROMPT_FIELDS = ("turns", "prompt", "question", "problem", "text")  # in this order, after messages/conversations
 ID_FIELDS = ("id", "question_id", "task_id", "prompt_id", "unique_id")
@@ -110,13 +112,32 @@ def _row_id(row: dict) -> Optional[str]:
 # ----------------------------------------------------------------------------- one set
 
 
-def read_prompt_set(name: str, key: str, spec: dict, limit: int) -> PromptSet:
+def context_check(cfg: Config) -> ContextCheck:
+    """What decides whether the server takes a prompt: the target's tokenizer and server.max_model_len."""
+    from common.data.generate_tokenize import template_kwargs_of
+    from common.target.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.model, cfg.target.trust_remote_code,
+                               require_chat_template=False)
+    return ContextCheck(tokenizer, cfg.server.max_model_len, template_kwargs_of(cfg.generate))
+
+
+def _no_prompt_left(key: str, source: str, n_read: int, skipped: Counter, first_skipped: Optional[str]) -> DataError:
+    why = ", ".join(f"{r} {n}" for r, n in skipped.most_common()) or "the source is empty"
+    fix = (" or raise server.max_model_len" if skipped.get("over_max_model_len") else "")
+    return DataError(f"{key} ({source}) has no usable prompt ({n_read} rows read; skipped: {why}"
+                     f"{f'; first: {first_skipped}' if first_skipped else ''}); each row needs {SHAPES}{fix}")
+
+
+def read_prompt_set(name: str, key: str, spec: dict, limit: int, check: Optional[ContextCheck]) -> PromptSet:
     """The first `limit` usable prompts of a source (spec: {"source", "subset", "split"}); ids are the rows' own
     (id, question_id, task_id, ...) when every used row has a distinct one, else NAME-ROW."""
     rows, skipped, first_skipped, n_read = [], Counter(), None, 0
     for where, row, reason, _ in iter_source(spec["source"], spec["subset"], spec["split"], key):
         n_read += 1
         messages, reason = (None, reason) if reason else benchmark_messages(row)
+        if messages is not None and check is not None and (too_long := check.reason(messages)):
+            messages, reason = None, too_long
         if messages is None:
             skipped[reason] += 1
             first_skipped = first_skipped or f"{where} ({reason})"
@@ -125,9 +146,7 @@ def read_prompt_set(name: str, key: str, spec: dict, limit: int) -> PromptSet:
         if len(rows) >= limit:
             break
     if not rows:
-        why = ", ".join(f"{r} {n}" for r, n in skipped.most_common()) or "the source is empty"
-        raise DataError(f"{key} ({spec['source']}) has no usable prompt ({n_read} rows read; skipped: {why}"
-                        f"{f'; first: {first_skipped}' if first_skipped else ''}); each row needs {SHAPES}")
+        raise _no_prompt_left(key, spec["source"], n_read, skipped, first_skipped)
     ids = [rid for _, rid, _ in rows]
     if None in ids or len(set(ids)) < len(ids):
         ids = [f"{name}-{n}" for n, _, _ in rows]
@@ -135,26 +154,31 @@ def read_prompt_set(name: str, key: str, spec: dict, limit: int) -> PromptSet:
                      dict(skipped), first_skipped)
 
 
-def held_out_set(cfg: Config) -> PromptSet:
-    """The first evaluate.num_prompts prompts of the eval split, cut to their first user turn."""
+def held_out_set(cfg: Config, check: ContextCheck) -> PromptSet:
+    """The first evaluate.num_prompts prompts of the eval split that the server takes, cut to their first user turn."""
     path = Layout.of(cfg).prompts
     if not path.is_file():
         raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
-    prompts, n_read = [], 0
+    prompts, n_read, skipped, n_eval = [], 0, Counter(), 0
     for row in iter_jsonl(path):
         n_read += 1
         if row.get("split") != "eval":
             continue
+        n_eval += 1
         messages = first_user_turn(row)
-        if messages:
+        if messages and (too_long := check.reason(messages)):
+            skipped[too_long] += 1
+        elif messages:
             prompts.append({"id": row["id"], "messages": messages})
         if len(prompts) >= cfg.evaluate.num_prompts:
             break
+    if not prompts and skipped:
+        raise _no_prompt_left("the eval split", str(path), n_eval, skipped, None)
     if not prompts:
         raise DataError(
             f"{path} has no eval-split prompts; set data.eval_fraction > 0 and rerun 01_prepare_data.py --overwrite"
         )
-    return PromptSet(HELD_OUT, "the eval split", str(path), prompts, n_read)
+    return PromptSet(HELD_OUT, "the eval split", str(path), prompts, n_read, dict(skipped))
 
 
 def configured_sets(cfg: Config) -> dict[str, tuple[str, dict]]:
@@ -164,20 +188,40 @@ def configured_sets(cfg: Config) -> dict[str, tuple[str, dict]]:
     return other | {name: (f"evaluate.prompt_sets.{name}", spec) for name, spec in e.prompt_set_specs().items()}
 
 
-def load_prompt_set(cfg: Config, name: str, trained: Optional[set[str]] = None) -> PromptSet:
+def load_prompt_set(cfg: Config, name: str, trained: Optional[set[str]] = None,
+                    check: Optional[ContextCheck] = None) -> PromptSet:
     """One set by name (HELD_OUT, OTHER or an evaluate.prompt_sets name), checked against the training prompts."""
+    check = check or context_check(cfg)
     if name == HELD_OUT:
-        return held_out_set(cfg)
+        return held_out_set(cfg, check)
     key, spec = configured_sets(cfg)[name]
-    prompt_set = read_prompt_set(name, key, spec, cfg.evaluate.num_prompts)
+    prompt_set = read_prompt_set(name, key, spec, cfg.evaluate.num_prompts, check)
     refuse_training_prompts(prompt_set, training_texts(cfg) if trained is None else trained)
     return prompt_set
 
 
 def load_prompt_sets(cfg: Config) -> dict[str, PromptSet]:
     """The held-out set first, then evaluate.other_prompts ("other"), then evaluate.prompt_sets in name order."""
-    trained = training_texts(cfg)
-    return {name: load_prompt_set(cfg, name, trained) for name in (HELD_OUT, *configured_sets(cfg))}
+    trained, check = training_texts(cfg), context_check(cfg)
+    return {name: load_prompt_set(cfg, name, trained, check) for name in (HELD_OUT, *configured_sets(cfg))}
+
+
+def say_left_out(sets: dict[str, PromptSet]) -> None:
+    """One line per set that lost prompts the server cannot take (the report counts them too)."""
+    for name, s in sets.items():
+        n = sum(v for k, v in s.rows_skipped.items() if k in ("over_max_model_len", "chat_template_error"))
+        if n:
+            print(f"05_evaluate: prompt set {name} ({s.key}): left out {n} prompt(s) the server cannot take "
+                  f"({', '.join(f'{k} {v}' for k, v in s.rows_skipped.items())}); measuring {len(s.prompts)}", flush=True)
+
+
+def check_sets_before_training(cfg: Config, rows: list[dict]) -> None:
+    """01, before it writes: every set of evaluate.other_prompts and evaluate.prompt_sets reads, has usable rows
+    and shares no prompt with the training split of `rows` (01's output rows). Lengths need the target's
+    tokenizer: run_pipeline.py checks them before it starts vLLM, and 05 at its start."""
+    trained = {_user_text(m) for r in rows if r.get("split") == "train" and (m := first_user_turn(r))}
+    for name, (key, spec) in configured_sets(cfg).items():
+        refuse_training_prompts(read_prompt_set(name, key, spec, cfg.evaluate.num_prompts, None), trained)
 
 
 # ----------------------------------------------------------------------------- kept apart from training

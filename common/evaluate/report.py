@@ -123,6 +123,7 @@ def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft:
         "target": cfg.target.model,
         "sampling": sampling_params(cfg),
         **results[HELD_OUT],  # the held-out prompts: the headline numbers
+        **({"rows_skipped": sets[HELD_OUT].rows_skipped} if sets[HELD_OUT].rows_skipped else {}),
         "offline": draft.offline.prediction,
         "offline_missing": draft.offline.missing,
         "prompt_sets": prompt_sets,

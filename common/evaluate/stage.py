@@ -55,7 +55,7 @@ from common.core.io import atomic_write_json, file_sha256, read_json
 from common.core.run_folder import HELD_OUT, OTHER, Layout, StageManifest
 from common.evaluate import serve
 from common.evaluate.draft import checked_draft
-from common.evaluate.prompt_sets import PromptSet, load_prompt_set, load_prompt_sets
+from common.evaluate.prompt_sets import PromptSet, load_prompt_set, load_prompt_sets, say_left_out
 from common.evaluate.report import ReportFiles, build_report, print_lines, summary_lines, write_report
 from common.evaluate.serve import PromptRun
 
@@ -184,6 +184,7 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
     """05_evaluate.py (--compare is common.evaluate.compare.run_compare)."""
     layout = Layout.of(cfg)
     sets = load_prompt_sets(cfg)
+    say_left_out(sets)
     if baseline_only:
         return run_baseline_only(cfg, layout, sets, base_url, overwrite)
     # Every check comes before --overwrite deletes the previous eval/ outputs: a refusal loses nothing.

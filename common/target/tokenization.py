@@ -151,6 +151,38 @@ def assistant_char_spans(
     return full, spans
 
 
+def renders_reasoning(tokenizer, template_kwargs: Optional[dict] = None) -> bool:
+    """Whether the chat template writes an assistant turn's reasoning into the text at all (Qwen3, DeepSeek,
+    Kimi do; Llama-3.1, Mistral, SmolLM2 have no reasoning part and drop it)."""
+    marker = "reasoning-probe-5f1c"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello.", "reasoning": marker}]
+    return marker in _render(tokenizer, _template_messages(turns), False, template_kwargs or {})
+
+
+class ContextCheck:
+    """Whether a chat prompt fits a server of max_model_len tokens: vLLM refuses (400) a prompt of
+    max_model_len tokens or more, and needs one free position for the first generated token. The prompt
+    is counted as the server renders it (the chat template with the generation prompt, no special tokens
+    added); a tokenizer without a template counts the turns' text alone, a lower bound."""
+
+    def __init__(self, tokenizer, max_model_len: int, template_kwargs: Optional[dict] = None):
+        self.tokenizer, self.max_model_len, self.template_kwargs = tokenizer, max_model_len, template_kwargs or {}
+
+    def length(self, messages: list[dict]) -> int:
+        if getattr(self.tokenizer, "chat_template", None):
+            text = _render(self.tokenizer, _template_messages(messages), True, self.template_kwargs)
+            return len(_encode(self.tokenizer, text))
+        return sum(len(_encode(self.tokenizer, str(m.get("content") or ""))) for m in messages)
+
+    def reason(self, messages: list[dict]) -> Optional[str]:
+        """None when the prompt fits; else the counted reason it is left out."""
+        try:
+            n = self.length(messages)
+        except DataError:  # the template refuses this conversation (raise_exception): so would the server
+            return "chat_template_error"
+        return None if n < self.max_model_len else "over_max_model_len"
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[dict],

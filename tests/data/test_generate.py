@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DROPS_OLD_REASONING_TEMPLATE, KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, build_chat_tokenizer, build_slow_chat_tokenizer
+from conftest import (DROPS_OLD_REASONING_TEMPLATE, KIMI_LIKE_SPECIAL, KIMI_LIKE_TEMPLATE, SMOLLM2_TEMPLATE, build_chat_tokenizer,
+                      build_slow_chat_tokenizer)
 from fault_server import (
     ALWAYS_FAIL_MARKER,
     BAD_REQUEST_MARKER,
@@ -41,7 +42,7 @@ from common.data.generate_files import load_done
 from common.data.generate_requests import MISSING_TOKEN_IDS, MissingTokenIds, backoff_delay, classify
 from common.serving.chat import MalformedResponse
 from common.target.tokenization import load_tokenizer
-from tests.helpers import REPO, stage_env
+from tests.helpers import REPO, error_line, stage_env
 
 SECRET = "sk-test-DO-NOT-LEAK-5f3a9c"
 SCRIPT = str(REPO / "01b_generate_synthetic.py")
@@ -567,6 +568,61 @@ def test_template_that_rewrites_history_fails_fast_only_with_multi_turn_prompts(
         prompts = make_prompts(run_dir, 2)  # single-turn prompts only: the template is fine
         assert run_stage(load_config(config(write_config, server, tok_dir))) == 0
     assert_accounted(run_dir, prompts)
+
+
+def test_a_template_without_reasoning_is_not_refused_in_template_mode(run_dir, write_config, tmp_path, api_key):
+    """SmolLM2, Llama-3.1, Mistral: no reasoning part in the template, no <think> in the tokenizer; vLLM returns content
+    only. 01b probes them without reasoning and generates; with server.reasoning_parser set (the server would return
+    reasoning the template cannot render) the probe still refuses, before any request."""
+    tok_dir = build_chat_tokenizer(tmp_path / "smollm2-tok", SMOLLM2_TEMPLATE, added=())
+    prompts = make_prompts(run_dir, 6)  # p002 has two user turns: the two-turn probe
+    with FaultServer(Faults(seed=3, reasoning=False)) as server:
+        cfg_path = config(write_config, server, tok_dir)
+        res = run_01b(cfg_path, "--set", "server.reasoning_parser=deepseek_r1")
+        error_line(res, "does not render assistant reasoning", "set tokenize.token_ids_from=server")
+        assert res.returncode == 2 and server.stats.requests == 0 and not (run_dir / "data" / "raw_responses.jsonl").exists()
+        assert run_stage(load_config(cfg_path)) == 0
+    raw, failed = assert_accounted(run_dir, prompts)
+    assert failed == [] and not any("reasoning" in m for r in raw for m in r["messages"])
+    samples = rows_of(run_dir / "data" / "train.jsonl") + rows_of(run_dir / "data" / "eval.jsonl")
+    assert len(samples) == len(prompts) and all(sum(s["loss_mask"]) > 0 for s in samples)
+
+
+def with_long_prompts(run_dir: Path, prompts: list[dict], long_ids: set[str]) -> list[dict]:
+    """The prompts with the user turns of `long_ids` grown to ~600 tokens."""
+    for p in prompts:
+        if p["id"] in long_ids:
+            p["messages"][-1]["content"] += " and more" * 300
+    (run_dir / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
+    return prompts
+
+
+def test_prompts_longer_than_the_server_context_are_left_out_before_any_request(run_dir, write_config, chat_tokenizer_dir,
+                                                                                 api_key):
+    """ShareGPT has prompts longer than the served context: each would be a 400 (vLLM refuses a prompt of max_model_len
+    tokens or more). 01b counts and leaves them out before any request; when nothing is left, one error line."""
+    long_ids = {"p001", "p004", "p007"}
+    prompts = with_long_prompts(run_dir, make_prompts(run_dir, 10), long_ids)
+    with FaultServer(Faults(seed=4)) as server:
+        cfg_path = config(write_config, server, chat_tokenizer_dir)
+        res = run_01b(cfg_path, "--set", "server.max_model_len=256")
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "left out 3 of 10 prompts the server cannot take (over_max_model_len 3; server.max_model_len=256)" in res.stdout
+        sent = set(server.stats.requests_by_prompt)
+    assert not any("and more and more" in text for text in sent)
+    raw, failed = assert_accounted(run_dir, [p for p in prompts if p["id"] not in long_ids])
+    assert failed == []
+    report = json.loads((run_dir / "data" / "generate_report.json").read_text())
+    assert report["skipped_prompts"] == {"over_max_model_len": 3} and report["num_prompts"] == 7 and report["complete"]
+
+    # nothing fits: one line naming the limit, no request, nothing written or deleted
+    before = {f.name: f.read_bytes() for f in (run_dir / "data").iterdir()}
+    with FaultServer(Faults(seed=4)) as server:
+        res = run_01b(config(write_config, server, chat_tokenizer_dir), "--set", "server.max_model_len=8", "--overwrite")
+        assert server.stats.requests == 0
+    error_line(res, "all 10 prompts of", "are too long for the server (server.max_model_len=8 tokens",
+               "raise server.max_model_len")
+    assert res.returncode == 2 and {f.name: f.read_bytes() for f in (run_dir / "data").iterdir()} == before
 
 
 def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, write_config, tmp_path):

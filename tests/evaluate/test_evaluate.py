@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,11 +18,12 @@ import pytest
 
 from common.core.config import config_from_dict
 from common.core.errors import DataError, PipelineError
+from common.core.run_folder import HELD_OUT
 from common.evaluate import serve
 from common.evaluate import stage as evaluate
 from common.evaluate.draft import draft_fingerprint
 from common.evaluate.plots import plot_report, training_curves
-from common.evaluate.prompt_sets import held_out_set, load_prompt_set
+from common.evaluate.prompt_sets import load_prompt_set
 from common.evaluate.report import compare_outputs, mismatch_examples
 from common.serving.vllm_server import metrics_delta, parse_prometheus, scrape_metrics, spec_decode_metrics
 from tests.helpers import FakeVllm, LocalHttpServer
@@ -189,10 +190,11 @@ class RunEnv:
 
 
 @pytest.fixture
-def run_env(tmp_path, monkeypatch):
-    """A run_dir with prompts, a fake draft and offline report; target_server swapped for FakeVllm."""
+def run_env(tmp_path, monkeypatch, chat_tokenizer_dir):
+    """A run_dir with prompts, a fake draft and offline report; target_server swapped for FakeVllm. The target is a
+    config and a tokenizer (05 counts each prompt's tokens against server.max_model_len)."""
     target = tmp_path / "target"
-    target.mkdir()
+    shutil.copytree(chat_tokenizer_dir, target)
     (target / "config.json").write_text('{"model_type": "llama"}')
     run = tmp_path / "run"
     (run / "data").mkdir(parents=True)
@@ -225,7 +227,7 @@ def run_env(tmp_path, monkeypatch):
 
 
 def test_eval_prompts_are_the_eval_split_first_turn(run_env):
-    prompts = held_out_set(run_env.cfg).prompts
+    prompts = load_prompt_set(run_env.cfg, HELD_OUT).prompts
     assert [p["id"] for p in prompts] == ["p1", "p3", "p5", "p7"]
     assert prompts[1]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "question 3"}]
 

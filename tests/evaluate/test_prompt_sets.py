@@ -120,6 +120,34 @@ def test_a_set_with_no_usable_row_or_no_file_is_one_error_line(run_env, tmp_path
         load_prompt_sets(cfg)
 
 
+def test_prompts_longer_than_the_server_context_are_left_out_per_set_before_any_request(run_env, tmp_path):
+    """A prompt of server.max_model_len tokens or more (as the chat template renders it) is a 400 from vLLM: each set
+    leaves such prompts out and counts them (the held-out one too), still measuring num_prompts of the rest; a set left
+    with nothing is one error line naming its key, before any server starts."""
+    long_text = "Summarise this: " + "and more " * 300  # ~600 tokens
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"question_id": i, "turns": [long_text if i in (2, 3) else f"new topic {i}"]}
+                                                    for i in range(1, 7)])
+    prompts_path = run_env.run / "data" / "prompts.jsonl"
+    rows = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    rows[1]["messages"][-1]["content"] = long_text  # p1: the first eval-split prompt
+    prompts_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tree = with_sets(run_env.cfg, {"mixed": str(mixed)}).to_dict()
+    cfg = config_from_dict({**tree, "server": {**tree["server"], "max_model_len": 256}})
+    sets = load_prompt_sets(cfg)
+    assert [p["id"] for p in sets["mixed"].prompts] == ["1", "4", "5", "6"]
+    assert sets["mixed"].rows_skipped == {"over_max_model_len": 2}
+    assert [p["id"] for p in sets["held_out"].prompts] == ["p3", "p5", "p7", "p9"]
+    assert sets["held_out"].rows_skipped == {"over_max_model_len": 1}
+
+    only_long = write_jsonl(tmp_path / "long.jsonl", [{"question_id": i, "turns": [long_text]} for i in range(2)])
+    tree = with_sets(run_env.cfg, {"long": str(only_long)}).to_dict()
+    cfg = config_from_dict({**tree, "server": {**tree["server"], "max_model_len": 256}})
+    res = run_cli("05_evaluate.py", cli_config(RunEnv(cfg, run_env.run, run_env.final)), timeout=120)
+    error_line(res, f"evaluate.prompt_sets.long ({only_long}) has no usable prompt (2 rows read; skipped: over_max_model_len 2",
+               "or raise server.max_model_len")
+    assert not (run_env.run / "eval").exists()
+
+
 def test_a_set_sharing_a_prompt_with_the_training_data_is_refused(run_env, tmp_path):
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"question_id": 1, "turns": ["new topic"]},
                                                     {"question_id": 2, "turns": ["question 4", "more"]}])  # a train prompt
