@@ -43,6 +43,11 @@ def add_arguments(parser):
 
 
 def run(cfg, args):
+    from common.core.run_folder import Layout, refuse_read_while_written
+
+    if not args.baseline_only:  # the draft(s) it measures: none under train/ while 04 writes there
+        layout = Layout.of(cfg)
+        refuse_read_while_written(cfg.run_dir, "05_evaluate", "04_train", layout.train, args.compare or [args.draft or layout.final])
     if args.compare:
         from common.evaluate.compare import run_compare
 

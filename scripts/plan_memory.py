@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.core.cli import OneLineArgumentParser  # noqa: E402
 from common.core.config import GpuMemoryGB, ModelLen, Range, TorchDtype  # noqa: E402
+from common.model.sizes import SIZES  # noqa: E402
 
 
 def main() -> int:
@@ -36,14 +37,15 @@ def main() -> int:
                         help="memory per GPU to check against (default train.gpu_memory_gb; none: only print)")
     parser.add_argument("--max-sample-len", type=ModelLen.argument(int), default=None,
                         help="longest sample (default tokenize.max_seq_len)")
-    parser.add_argument("--target-hidden-size", type=Range(ge=1, le=2**17).argument(int))
-    parser.add_argument("--target-vocab-size", type=Range(ge=1, le=2**24).argument(int))
-    parser.add_argument("--target-num-layers", type=Range(ge=1, le=4096).argument(int))
+    # the ranges a local config.json's sizes are checked against (common/model/sizes.py)
+    parser.add_argument("--target-hidden-size", type=SIZES["hidden_size"].argument(int))
+    parser.add_argument("--target-vocab-size", type=SIZES["vocab_size"].argument(int))
+    parser.add_argument("--target-num-layers", type=SIZES["num_hidden_layers"].argument(int))
     parser.add_argument("--target-dtype", choices=typing.get_args(TorchDtype), default="bfloat16")
     args = parser.parse_args()
 
     from common.core.config import load_config
-    from common.core.errors import PipelineError
+    from common.core.errors import PipelineError, printable
     from common.core.io import format_bytes
     from common.train.memory_plan import check_fits, draft_config_from, plan_for_capacity, target_sizes_from_config_json
 
@@ -51,14 +53,17 @@ def main() -> int:
         cfg = load_config(args.config, args.overrides)
         given = {"hidden_size": args.target_hidden_size, "vocab_size": args.target_vocab_size,
                  "num_hidden_layers": args.target_num_layers}
-        target = target_sizes_from_config_json(cfg.target.model) or {}
+        local = target_sizes_from_config_json(cfg.target.model)
+        target = local or {}
         target = {**target, **{k: v for k, v in given.items() if v is not None}}
         missing = [k for k in given if k not in target]
         if missing:
             raise PipelineError(f"target.model {cfg.target.model} has no local config.json: give "
                                 + ", ".join(f"--target-{k.replace('_', '-').replace('hidden-layers', 'layers')}" for k in missing))
         target.setdefault("torch_dtype", args.target_dtype)
-        d = draft_config_from(cfg, target)
+        # its sizes are range-checked there, as the flags are (a flag overrides the config's value)
+        source = f"{cfg.target.model}/config.json" if local is not None else f"the hub target {cfg.target.model}"
+        d = draft_config_from(cfg, target, source)
         kw = dict(world_size=args.world_size, device_type=args.device, embed_bf16="bfloat16" in str(target["torch_dtype"]),
                   max_sample_len=args.max_sample_len if args.max_sample_len is not None else cfg.tokenize.max_seq_len)
         gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else cfg.train.gpu_memory_gb
@@ -67,7 +72,7 @@ def main() -> int:
         print(f"04_train: memory plan: {plan.describe()}" + (f"; GPU capacity {format_bytes(capacity)}" if capacity else ""))
         check_fits(plan, capacity, replan)
     except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return 2
     if capacity:
         print(f"fits: {format_bytes(plan.peak)} of {format_bytes(capacity)}")

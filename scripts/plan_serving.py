@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.core.cli import OneLineArgumentParser  # noqa: E402
 from common.core.config import GpuMemoryGB, MemoryUtilization, ModelLen, Range, TensorParallel  # noqa: E402
 from common.core.errors import ConfigError, PipelineError, printable  # noqa: E402
+from common.model.sizes import check_model_sizes  # noqa: E402
 from common.serving.sizing import GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, kv_bytes_per_token, plan_serving  # noqa: E402
 
 
@@ -50,7 +51,10 @@ def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
     if weights_gib is None:
         weights_gib = config.get("weights_gib")
     if weights_gib is None and path.is_dir():
-        weights_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / GIB or None
+        try:
+            weights_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / GIB or None
+        except OSError as e:  # a symlink loop or a dangling link among the weights
+            raise ConfigError(f"cannot size the target's weights in {path} ({e}); fix the file or pass --weights-gib") from None
     if weights_gib is None:
         raise ConfigError(f"{path}: no *.safetensors to size the weights from; pass --weights-gib")
     try:
@@ -63,10 +67,12 @@ def read_target(path: Path, weights_gib: float | None) -> tuple[dict, float]:
 
 
 def check_sizes(config_file: Path, config, what: str) -> None:
-    """A config that cannot be sized (not a dict, a size missing) is one line naming the file."""
+    """A config that cannot be sized (not a dict, a size missing, negative, zero or not an integer) is one line
+    naming the file."""
     try:
         if not isinstance(config, dict):
             raise ConfigError(f"it holds a JSON {type(config).__name__}, not a config object")
+        check_model_sizes(config)  # every size it gives: also those only a pipeline config's draft build reads
         kv_bytes_per_token(config)
     except ConfigError as e:
         raise ConfigError(f"{config_file}: {e}; pass {what}") from None
@@ -80,10 +86,7 @@ def read_draft(path: Path, target: dict, target_path: Path):
         from common.core.config import load_config
         from common.train.memory_plan import draft_config_from  # imports torch: only for a pipeline config
 
-        try:
-            return draft_config_from(load_config(path), target)
-        except KeyError as e:
-            raise ConfigError(f"{target_path} has no {e.args[0]}, which building the draft of {path} needs") from None
+        return draft_config_from(load_config(path), target, str(target_path))
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

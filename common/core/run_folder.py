@@ -593,3 +593,18 @@ def refuse_overwrite_while_read(run_dir: str | os.PathLike, stage: str) -> None:
             raise StageBusy(
                 f"{stage} --overwrite would delete what {reader} is reading: {reader} is running on "
                 f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")
+
+
+def refuse_read_while_written(run_dir: str | os.PathLike, reader: str, writer: str, outputs: os.PathLike,
+                              reads: Iterable[os.PathLike]) -> None:
+    """Raise StageBusy when `reader` would read under `outputs` (the folder `writer` writes) while `writer` runs on
+    run_dir: 05 measuring train/final while 04 runs, whose --overwrite deletes it and whose export replaces it.
+    The reader holds its own lock meanwhile, so a writer's --overwrite that starts later is refused (READS_FROM)."""
+    # realpath, not resolve(): a symlink loop given as --draft is found unreadable later with one error line
+    root = Path(os.path.realpath(outputs))
+    inside = [Path(p) for p in reads if Path(os.path.realpath(p)).is_relative_to(root)]
+    holder = lock_holder(run_dir, writer) if inside else None
+    if holder is not None:
+        raise StageBusy(
+            f"{reader} would read {inside[0]}, which {writer} is writing: {writer} is running on "
+            f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")

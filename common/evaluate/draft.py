@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -41,23 +43,40 @@ class CheckedDraft:
 def draft_fingerprint(draft_dir: Path, layout: Optional[Layout] = None) -> str:
     """sha256 over the draft's weights files (model.safetensors, or every *.safetensors in order).
     With the run's layout, each file's hash is cached in its stages/hashes.json (a Kimi-sized draft is GBs)."""
-    from common.model.export import WEIGHTS_NAME  # imports torch: only when needed
+    from common.model.export import draft_weight_files  # imports torch: only when needed
 
     draft_dir = Path(draft_dir)
-    files = [draft_dir / WEIGHTS_NAME] if (draft_dir / WEIGHTS_NAME).is_file() else sorted(draft_dir.glob("*.safetensors"))
+    files = draft_weight_files(draft_dir)
     if not files:
         raise PipelineError(f"no model.safetensors in the draft directory {draft_dir}; run 04_train.py first (it writes train/final/)")
+    for f in files:
+        check_readable(f)
     sha = file_sha256 if layout is None else (lambda f: content_fingerprint(layout, f))
     if len(files) == 1:
         return sha(files[0])
     return hashlib.sha256(json.dumps([[f.name, sha(f)] for f in files], sort_keys=True).encode()).hexdigest()
 
 
+def check_readable(f: Path) -> None:
+    """A weights file that cannot be read (a symlink loop, a dangling link, a directory, no permission) is one
+    DataError naming it, before vLLM starts or --overwrite deletes anything (a directory would be hashed as its
+    files, a FIFO would block the hash: only a regular file is opened)."""
+    redo = "restore the file or re-export the draft (rerun 04_train.py), or pass --draft another draft directory"
+    try:
+        if not stat.S_ISREG(f.stat().st_mode):
+            raise DataError(f"the draft's weights {f} is not a file (a directory or a device); {redo}")
+        with open(f, "rb"):
+            pass
+    except OSError as e:
+        raise DataError(f"cannot read the draft's weights {f} ({e.strerror or e}); {redo}") from None
+
+
 def find_draft(cfg: Config, draft_dir: Optional[str]) -> Path:
     from common.model.export import CONFIG_NAME
 
     draft = Path(draft_dir) if draft_dir else Layout.of(cfg).final
-    if not (draft / CONFIG_NAME).is_file():
+    # anything there (a directory, a symlink loop, an unreadable file): read_draft_config says what is wrong with it
+    if not os.path.lexists(draft / CONFIG_NAME):
         raise PipelineError(f"no trained draft at {draft} (config.json missing); run 04_train.py first or pass --draft DIR")
     return draft
 
@@ -110,7 +129,7 @@ def eval_at_step(layout: Layout, step: int) -> tuple[Optional[dict], Path]:
     latest eval), else the eval line of train/metrics.jsonl (04 logs every eval there, in full)."""
     try:
         latest = read_json(layout.train_eval_report) if layout.train_eval_report.is_file() else None
-    except DataError:
+    except (DataError, OSError):  # unreadable: the eval is looked up in metrics.jsonl
         latest = None
     if isinstance(latest, dict) and latest.get("step") == step:
         return latest, layout.train_eval_report
@@ -133,7 +152,8 @@ def offline_prediction(cfg: Config, draft: Path, draft_sha: str) -> Offline:
     """
     layout = Layout.of(cfg)
     exports = layout.export_records
-    same = [d for d in exports if d.resolve() == draft.resolve()]  # the very files: nothing to compare
+    # the very files: nothing to compare (realpath: an export that is a symlink loop is no match, not a RuntimeError)
+    same = [d for d in exports if os.path.realpath(d) == os.path.realpath(draft)]
 
     def same_weights(d: Path) -> bool:
         try:
@@ -146,7 +166,7 @@ def offline_prediction(cfg: Config, draft: Path, draft_sha: str) -> Offline:
         return Offline(missing=f"{draft} has other weights than this run's train/final and train/best: 04 predicted nothing for it")
     try:
         record = read_json(export / exports[export])
-    except DataError as e:
+    except (DataError, OSError) as e:  # OSError: a symlink loop, a directory or no permission there
         return Offline(missing=f"cannot tell which step {export} is ({e})")
     step = record.get("step") if isinstance(record, dict) else None
     if not isinstance(step, int):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from common.core.errors import ConfigError
+from common.model.sizes import model_size
 
 GIB = 1024**3
 # What nvidia-smi reports as a card's memory (MiB / 1024), for planning on paper.
@@ -59,19 +60,22 @@ def kv_bytes_per_token(text_config: Any, tensor_parallel_size: int = 1, kv_cache
     if isinstance(text_config, dict) and isinstance(text_config.get("transformer_layer_config"), dict):
         text_config = {**text_config["transformer_layer_config"], **text_config}  # a speculators-format draft
 
-    def get(name: str, default: Any = REQUIRED):
-        value = text_config.get(name) if isinstance(text_config, dict) else getattr(text_config, name, None)
+    def get(name: str, default: Any = REQUIRED):  # a size, range-checked (a negative or string one is an error)
+        value = model_size(text_config, name, None if default is REQUIRED else default)
         if value is None and default is REQUIRED:
             raise ConfigError(f"the config has no {name}, which sizing its KV cache needs")
-        return default if value is None else value
+        return value
 
     per_value = KV_DTYPE_BYTES[kv_cache_dtype]
-    layers = int(get("num_hidden_layers"))
+    layers = get("num_hidden_layers")
     if get("kv_lora_rank", None):
-        return layers * (int(get("kv_lora_rank")) + int(get("qk_rope_head_dim", 0))) * per_value
-    heads = int(get("num_attention_heads"))
-    kv_heads = int(get("num_key_value_heads", heads))
-    head_dim = int(get("head_dim", None) or int(get("hidden_size")) // heads)
+        return layers * (get("kv_lora_rank") + get("qk_rope_head_dim", 0)) * per_value
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads", heads)
+    head_dim = get("head_dim", None) or get("hidden_size") // heads
+    if not head_dim:  # hidden_size below num_attention_heads: no head would have a dimension
+        raise ConfigError(f"hidden_size {get('hidden_size')} is below num_attention_heads {heads}: head_dim would be 0 "
+                          f"(give head_dim)")
     return layers * 2 * max(1, math.ceil(kv_heads / tensor_parallel_size)) * head_dim * per_value
 
 

@@ -1,8 +1,9 @@
 """train.init_from: 04 starts from a vLLM-format EAGLE-3 draft, another run's export or a published one for
 this target, instead of random weights (docs/design.md#starting-from-a-published-draft).
 
-    init = InitDraft.read(cfg, info, aux_layer_ids, d2t, t2d, layout, env)  # Trainer.__init__: every check,
-                                                                            # before anything is written
+    init = InitDraft.read(cfg, info, aux_layer_ids, d2t, t2d, layout, env)  # Trainer.__init__: every check, and
+                                                                            # the weights read whole, before
+                                                                            # anything is written or deleted
     init.draft_cfg, init.d2t, init.t2d   # what 04 trains: the init's architecture, the vocab of train.init_vocab
     init.load_into(draft)                # build_model: its weights over the fresh draft (a resume's checkpoint
                                          # is loaded over them next)
@@ -49,6 +50,9 @@ class InitDraft:
     has_d2t: bool  # whether the init's weights hold d2t (else its draft ids are target ids 0..V_d-1)
     shared: int  # tokens in both the init's draft vocab and 03's
     fingerprint: str  # of its config.json and weights, by content
+    # Read whole by `read`, before --overwrite deletes train/: the init may be train/final or train/best ("continue
+    # from my last draft"). load_into hands them to the draft and drops them.
+    weights: dict[str, torch.Tensor]
 
     @classmethod
     def read(cls, cfg, info, aux_layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, layout: Layout,
@@ -73,10 +77,11 @@ class InitDraft:
                               f"{list(aux_layer_ids)}), or set train.init_from: null")
         # vLLM loads a draft without d2t too: its draft_id_to_target_id stays zeros (draft id i = target id i)
         check_draft_tensors(shapes, config, draft_weight_files(path)[0], optional={"d2t", "t2d"})
-        has_d2t = "d2t" in shapes
+        weights = _read_finite(path, shapes)
+        has_d2t = "d2t" in weights
         init_ids = torch.arange(config.draft_vocab_size)
         if has_d2t:
-            init_ids = init_ids + read_draft_tensors(path, names={"d2t"})["d2t"].long()
+            init_ids = init_ids + weights["d2t"].long()
         if init_ids.min() < 0 or init_ids.max() >= info.vocab_size or init_ids.unique().numel() != init_ids.numel():
             raise DataError(f"train.init_from {path}: its d2t maps draft ids outside the target vocab of {info.vocab_size} "
                             f"or two onto one target id; the draft is damaged: re-export or re-download it")
@@ -87,7 +92,7 @@ class InitDraft:
             d2t, t2d = init_ids - torch.arange(init_ids.numel()), init_t2d
         draft_cfg = dataclasses.replace(config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(aux_layer_ids))
         fingerprint = on_rank0(lambda: target_fingerprint(layout, str(path)), env)
-        return cls(path, t.init_vocab, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint)
+        return cls(path, t.init_vocab, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint, weights)
 
     @property
     def identity(self) -> dict:
@@ -99,7 +104,7 @@ class InitDraft:
         """The init's weights into `draft` (built from draft_cfg, its vocab map set, lm_head initialised as
         train.init_lm_head says): every tensor; lm_head whole (own) or the rows of the shared tokens (remap).
         Returns the line 04 prints: which vocabulary, and how many rows were carried over."""
-        weights = read_draft_tensors(self.path)
+        weights, self.weights = self.weights, {}
         own = draft.state_dict()  # tensors sharing the draft's storage
         head = weights.pop("lm_head.weight")
         for name, tensor in weights.items():
@@ -161,6 +166,21 @@ def _draft_key_problems(cfg, config: DraftModelConfig, info) -> list[str]:
         if asked != theirs:
             problems.append(f"draft.rope_scaling resolves to {asked} but the init has {theirs}")
     return [p + " (leave draft.* unset: the init's architecture is trained)" for p in problems]
+
+
+def _read_finite(path: Path, shapes: dict) -> dict[str, torch.Tensor]:
+    """The init's tensors but embed_tokens (the target's is used; _embedding_problems compared it), every value
+    finite: a diverged or damaged draft is refused here, before --overwrite deletes anything, not reported as a
+    divergence of this run after it."""
+    weights = read_draft_tensors(path, names={n for n in shapes if not n.startswith("embed_tokens.")})
+    counts = {n: int(w.isfinite().logical_not().sum()) for n, w in weights.items() if w.is_floating_point()}
+    bad = {n: c for n, c in counts.items() if c}
+    if bad:
+        name, count = next(iter(bad.items()))
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise DataError(f"train.init_from {path}: its tensor {name} holds {count} NaN or inf values{more}; the draft "
+                        f"diverged or is damaged: start from another draft (an earlier export), or set train.init_from: null")
+    return weights
 
 
 def _embedding_problems(path: Path, target_model: str) -> list[str]:

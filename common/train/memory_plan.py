@@ -34,7 +34,6 @@ Checked against measured peaks (torch's allocator total, CPU) in tests/train/tes
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -43,7 +42,8 @@ from types import SimpleNamespace
 from typing import Optional
 
 from common.core.errors import ConfigError
-from common.core.io import format_bytes
+from common.core.io import format_bytes, parse_json
+from common.model.sizes import check_model_sizes
 
 # Fixed sizes of the code (kept in step with common/model/ttt.py and common/model/draft.py)
 LOSS_CHUNK_ROWS = 4096  # ttt.LOSS_CHUNK_ROWS: rows per chunk of the fused lm_head + loss
@@ -298,22 +298,38 @@ def target_sizes_from_config_json(model: str) -> Optional[dict]:
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
-    doc = json.loads(path.read_text())
+    try:
+        doc = parse_json(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the target's config {path} ({' '.join(str(e).split())}); fix target.model") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path} holds a JSON {type(doc).__name__}, not a config object; fix target.model")
     for key in ("text_config", "language_config", "llm_config"):
         sub = doc.get(key)
-        if isinstance(sub, dict) and sub.get("num_hidden_layers"):
+        if isinstance(sub, dict) and sub.get("num_hidden_layers") is not None:  # 0 too: draft_config_from refuses it
             return {**sub, "torch_dtype": sub.get("torch_dtype") or doc.get("torch_dtype") or doc.get("dtype")}
     return doc
 
 
-def draft_config_from(cfg, target: dict):
-    """The DraftModelConfig 04 would build, from the run config and the target's (text) config dict."""
+def draft_config_from(cfg, target: dict, source: str = "the target's config"):
+    """The DraftModelConfig 04 would build, from the run config and the target's (text) config dict (read
+    from `source`, which the errors name)."""
     from common.model.draft import build_draft_config
     from common.target.loading import resolve_aux_layer_ids
 
+    try:
+        check_model_sizes(target)  # a string, zero or NaN size is one error, not a traceback or an absurd plan
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}; correct the value there") from None
+    needed = ["num_hidden_layers", "hidden_size", "vocab_size"] + ([] if cfg.draft.num_attention_heads else ["num_attention_heads"])
+    missing = [k for k in needed if target.get(k) is None]
+    if missing:
+        heads = " (or set draft.num_attention_heads)" if "num_attention_heads" in missing else ""
+        raise ConfigError(f"{source} has no {', '.join(missing)}, which building the draft needs; add the target's "
+                          f"value{heads}")
     text = SimpleNamespace(**target)
-    layers = int(target["num_hidden_layers"])
-    info = SimpleNamespace(hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), text_config=text)
+    layers = target["num_hidden_layers"]
+    info = SimpleNamespace(hidden_size=target["hidden_size"], vocab_size=target["vocab_size"], text_config=text)
     aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, layers)
     if cfg.train.init_from:  # 04 trains the init's architecture, in the draft vocab of train.init_vocab
         from common.model.export import read_draft_config

@@ -13,7 +13,7 @@ import pytest
 
 from common.core.config import load_config
 from common.serving.sizing import GIB, concurrency_line, kv_bytes_per_token, kv_cache_tokens, plan_serving
-from tests.helpers import REPO
+from tests.helpers import REPO, error_line
 
 KIMI = json.loads((REPO / "configs" / "targets" / "kimi-k2.5.json").read_text())
 PLAN_SERVING = [sys.executable, "scripts/plan_serving.py"]
@@ -158,6 +158,37 @@ def test_plan_serving_draft_errors_are_one_line(tmp_path, content, message):
                           "4096", "--draft", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (2, "") and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith(message.format(path=path)), out.stderr
+
+
+# ---- absurd sizes (issue 33): every size a positive integer in range, from a draft's or a target's config
+
+BAD_SIZES = {  # (target or draft, the size changed, the value) -> the error line's fragment
+    "negative KV heads": ("draft", "num_key_value_heads", -8, "num_key_value_heads must be an integer >= 1 and <= 16384, got -8"),
+    "no draft layers": ("draft", "num_hidden_layers", 0, "num_hidden_layers must be an integer >= 1 and <= 4096, got 0"),
+    "string head_dim": ("draft", "head_dim", "128", "head_dim must be an integer >= 1 and <= 16384, got '128'"),
+    "bool KV heads": ("draft", "num_key_value_heads", True, "num_key_value_heads must be an integer >= 1 and <= 16384, got True"),
+    "NaN hidden_size": ("draft", "hidden_size", float("nan"), "hidden_size must be an integer >= 1 and <= 131072, got nan"),
+    "head_dim 0 from hidden_size": ("draft", "hidden_size", 4, "hidden_size 4 is below num_attention_heads 8: head_dim would be 0"),
+    "negative target layers": ("target", "num_hidden_layers", -1, "num_hidden_layers must be an integer >= 1 and <= 4096, got -1"),
+    "zero target heads": ("target", "num_attention_heads", 0, "num_attention_heads must be an integer >= 1 and <= 16384, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SIZES))
+def test_plan_serving_refuses_absurd_sizes(tmp_path, case):
+    """A negative, zero, string, bool or NaN size is one error line naming the file, the key and the value, exit 2,
+    never a plan (a negative KV head count was planned as 128 B/token, a draft of 0 layers dropped silently)."""
+    which, key, value, message = BAD_SIZES[case]
+    target, draft = tmp_path / "target.json", tmp_path / "draft.json"
+    target.write_text(json.dumps({**KIMI, **({key: value} if which == "target" else {})}))
+    draft_config = draft_json()
+    if key == "hidden_size":
+        del draft_config["head_dim"]  # head_dim from hidden_size // heads
+    draft.write_text(json.dumps({**draft_config, **({key: value} if which == "draft" else {})}))
+    out = subprocess.run([*PLAN_SERVING, "--target", str(target), "--gpu", "h200", "--max-model-len", "4096", "--draft",
+                          str(draft)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    error_line(out, f"error: {target if which == 'target' else draft}: {message}", "; pass ")
+    assert out.stdout == ""
 
 
 @pytest.mark.slow

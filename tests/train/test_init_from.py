@@ -92,6 +92,28 @@ def test_init_from_loads_the_draft_trains_on_resumes_and_exports(tmp_path, hidde
     load_exported_draft(run_dir / "train" / "final")
 
 
+def test_overwrite_continues_from_the_runs_own_final(tmp_path, hidden_run, init_dir):
+    """train.init_from: RUN/train/final with --overwrite ("continue from my last draft"): the init is read whole
+    before --overwrite deletes train/, and the run trains from it exactly as from a copy kept elsewhere."""
+    from common.core.config import load_config
+    from common.train.trainer import run_training
+
+    cfg = clone_run(hidden_run, tmp_path / "a", max_steps=3, eval_every=0, checkpoint_every=3)
+    run_dir = tmp_path / "a" / "run"
+    shutil.copytree(init_dir.parent, run_dir / "train")  # the 40-step run's train/: final, checkpoints, metrics
+    own = run_dir / "train" / "final"
+    assert run_training(load_config(cfg, [f"train.init_from={own}"]), overwrite=True) == 0
+    elsewhere = train(clone_run(hidden_run, tmp_path / "b", max_steps=3, eval_every=0, checkpoint_every=3,
+                                init_from=str(init_dir)))
+    assert (own / "model.safetensors").read_bytes() == (elsewhere / "train" / "final" / "model.safetensors").read_bytes()
+    assert not torch.equal(weights(run_dir)["fc.weight"], load_file(str(init_dir / "model.safetensors"))["fc.weight"])
+    assert sorted(p.name for p in (run_dir / "train" / "checkpoints").iterdir()) == ["step-3"]  # the old run's are gone
+    assert [r["step"] for r in read_metrics(run_dir) if r["type"] == "train"] == [1, 2, 3]
+    summary = json.loads((own / "training_summary.json").read_text())
+    assert summary["step"] == 3 and summary["init_from"]["fingerprint"] == json.loads(
+        (elsewhere / "train" / "final" / "training_summary.json").read_text())["init_from"]["fingerprint"]
+
+
 def test_the_speculators_format_in_several_files_and_a_draft_without_d2t(tmp_path, hidden_run, init_dir, capsys):
     """Published drafts come in the speculators format (layers.0., the target's embed_tokens included), sometimes in
     several safetensors, sometimes without d2t (vLLM then maps draft id i to target id i): each loads as vLLM reads
@@ -264,6 +286,23 @@ def test_config_conflicts_are_one_line_errors(tmp_path, hidden_run, init_dir):
         load_config(cfg, ["train.init_from=null", "train.anchor_weight=0.1"])
     with pytest.raises(ConfigError, match=f"train.init_from {tmp_path} is not a draft directory"):
         run_training(load_config(cfg, [f"train.init_from={tmp_path}"]))
+
+
+def test_an_init_with_nan_weights_is_refused_before_overwrite_deletes(tmp_path, hidden_run, init_dir):
+    """A diverged init (NaN in a weight) is one error line naming it and the tensor, before --overwrite deletes
+    train/: not a "training diverged" of this run after it."""
+    cfg = clone_run(hidden_run, tmp_path, max_steps=1, eval_every=0)
+    train_dir = tmp_path / "run" / "train"
+    shutil.copytree(init_dir.parent, train_dir)
+    before = {p: p.read_bytes() for p in sorted(train_dir.rglob("*")) if p.is_file()}
+    bad = shutil.copytree(init_dir, tmp_path / "diverged")
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["fc.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+    save_file(tensors, str(bad / "model.safetensors"))
+    res = run_stage("04_train.py", cfg, "--overwrite", "--set", f"train.init_from={bad}")
+    error_line(res, f"train.init_from {bad}: its tensor fc.weight holds 2 NaN or inf values;", "set train.init_from: null")
+    assert "diverged at step" not in res.stdout + res.stderr
+    assert {p: p.read_bytes() for p in sorted(train_dir.rglob("*")) if p.is_file()} == before
 
 
 def test_the_memory_plan_counts_the_anchor_copy_and_the_init_architecture(tmp_path, hidden_run):

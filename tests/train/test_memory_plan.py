@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, clone_run, stage_env
+from tests.helpers import REPO, clone_run, error_line, stage_env
 
 PROBE = REPO / "tests" / "train" / "memory_probe.py"
 # The estimate is an upper bound: never below the measured peak, at most this much above it. Most of
@@ -176,3 +176,48 @@ def test_plan_serving_weights_from_the_target_json_are_checked(tmp_path):
     out = subprocess.run([*PLAN_SERVING[:3], str(bad), *PLAN_SERVING[4:]], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == f"error: {bad}: weights_gib must be a finite number > 0 and <= 10000000, got 'lots'\n"
+
+
+# ---- a local target's config.json: its sizes checked like the --target-* flags (issue 33)
+
+TINY_TARGET = {"hidden_size": 64, "vocab_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 128, "torch_dtype": "float32"}
+LOCAL_CONFIG_CASES = {  # config.json (a dict: TINY_TARGET's sizes changed; a string: the file's text) -> the error's fragment
+    "a string size": ({"hidden_size": "64x"}, ": hidden_size must be an integer >= 1 and <= 131072, got '64x'"),
+    "zero heads": ({"num_attention_heads": 0}, ": num_attention_heads must be an integer >= 1 and <= 16384, got 0"),
+    "NaN": ({"intermediate_size": float("nan")}, ": intermediate_size must be an integer >= 1 and <= 1048576, got nan"),
+    "negative layers": ({"num_hidden_layers": -1}, ": num_hidden_layers must be an integer >= 1 and <= 4096, got -1"),
+    "a bool": ({"num_key_value_heads": True}, ": num_key_value_heads must be an integer >= 1 and <= 16384, got True"),
+    "no heads": ({"num_attention_heads": None}, " has no num_attention_heads, which building the draft needs"),
+    "nested text_config": ({"text_config": {**TINY_TARGET, "num_hidden_layers": 0}},
+                           ": num_hidden_layers must be an integer >= 1 and <= 4096, got 0"),
+    "not an object": ("[64, 256]", " holds a JSON list, not a config object; fix target.model"),
+    "not JSON": ('{"hidden_size": 64', "error: cannot read the target's config "),
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_CONFIG_CASES))
+def test_plan_memory_checks_a_local_targets_sizes(tmp_path, case):
+    """A string, zero, negative, bool or NaN size (or a missing one) in target.model/config.json is one error line
+    naming the file, the key and the value, exit 2 (a ValueError or ZeroDivisionError traceback before)."""
+    change, message = LOCAL_CONFIG_CASES[case]
+    target = tmp_path / "target"
+    target.mkdir()
+    text = change if isinstance(change, str) else json.dumps({**TINY_TARGET, **change})  # NaN: json writes NaN
+    (target / "config.json").write_text(text)
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "plan_memory.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
+                          "--set", f"target.model={target}", "--set", "vocab.draft_vocab_size=128", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    line = error_line(out, message)
+    assert f"{target / 'config.json'}" in line and out.stdout == ""
+    assert (target / "config.json").read_text() == text and os.listdir(target) == ["config.json"]  # nothing written
+
+
+def test_plan_memory_plans_a_sound_local_target(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TINY_TARGET))
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "plan_memory.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
+                          "--set", f"target.model={target}", "--set", "vocab.draft_vocab_size=128", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "04_train: memory plan: peak ~" in out.stdout, out.stderr
