@@ -16,7 +16,10 @@ Three things every stage shares (docs/design.md#run-folder):
 
 Fingerprints are sha256 of file contents, cached in run_dir/stages/hashes.json by (path, size,
 mtime_ns) so a multi-GB input is read once. Shards are fingerprinted through hidden/index.json,
-which holds each shard's sha256: hashing the index covers terabytes without reading them.
+which holds each shard's sha256: hashing the index covers terabytes without reading them. Inputs are
+named by what they are (a path relative to run_dir, "data.source", "target weights"), never by an
+absolute path, and a path-valued setting is recorded by content (input_identity): data or a target
+moved elsewhere is the same input.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256
@@ -301,18 +304,18 @@ class Layout:
 # ----------------------------------------------------------------------------- content fingerprints
 
 
-def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (of a directory: of its files' relative names and hashes).
+def content_fingerprint(layout: Layout, path: str | os.PathLike, files: Iterable[Path] | None = None) -> str:
+    """sha256 of a file's bytes; of a directory, of its `files` (default: all but temp files) by their names
+    relative to it, in that order, and hashes: the same content at another path is the same input.
 
     Cached in stages/hashes.json by (absolute path, size, mtime_ns): a rewritten file gets a new
     mtime and is hashed again; an unchanged multi-GB file is read once.
     """
     path = Path(path)
     if path.is_dir():
-        h = hashlib.sha256()
-        for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")):
-            h.update(f"{f.relative_to(path)}\0{content_fingerprint(layout, f)}\n".encode())
-        return h.hexdigest()
+        if files is None:
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".tmp-"))
+        return combined_fingerprint((str(f.relative_to(path)), content_fingerprint(layout, f)) for f in files)
     st = path.stat()
     stamp = [st.st_size, st.st_mtime_ns]  # taken before the read: a file rewritten meanwhile is hashed again next time
     hit = _read_hash_cache(layout).get(str(path.resolve()))
@@ -321,6 +324,22 @@ def content_fingerprint(layout: Layout, path: str | os.PathLike) -> str:
     digest = file_sha256(path)
     _remember(layout, path, stamp, digest)
     return digest
+
+
+def combined_fingerprint(parts: Iterable[tuple[str, str]]) -> str:
+    """One fingerprint for several files from their (name, sha256), in the order given."""
+    h = hashlib.sha256()
+    for name, digest in parts:
+        h.update(f"{name}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def input_identity(layout: Layout, value: str, files: Iterable[Path] | None = None) -> str:
+    """What a path-valued setting (data.source, the tokenizer) names, by content: its content_fingerprint (of a
+    folder: of `files`), so that the same data moved or copied elsewhere is the same input and a stage never redoes
+    or refuses for a path; the value itself when it names nothing local (a hub id)."""
+    path = Path(os.path.expanduser(value))
+    return content_fingerprint(layout, path, files) if path.exists() else value
 
 
 def remember_fingerprint(layout: Layout, path: str | os.PathLike, digest: str) -> None:
@@ -380,12 +399,13 @@ class StageManifest:
 
     def __init__(self, layout: Layout, stage: str, inputs: dict[str, str | os.PathLike] | None = None,
                  settings: dict | None = None, redo_on: Iterable[str] = (), added_later: Iterable[str] = (),
-                 replaced: dict[str, str] | None = None):
+                 replaced: dict[str, str] | None = None, upgrade: Callable[[dict], dict] | None = None):
         """inputs: {name: path (hashed here) or a precomputed fingerprint string}. redo_on: input
         names or setting keys whose change means "redo those outputs" instead of an error.
         added_later: inputs this code records that an older one did not: a manifest without them is
         not a change (a run folder made before keeps working; the next write records them). replaced:
-        {setting an older one recorded: the setting this code records instead}: not a change either."""
+        {setting an older one recorded: the setting this code records instead}: not a change either. upgrade:
+        rewrites an older manifest into this code's form (01's source, once recorded by path) before comparing."""
         self.layout, self.stage = layout, stage
         self.path = layout.manifest(stage)
         self.inputs = {name: (value if isinstance(value, str) else content_fingerprint(layout, value))
@@ -395,6 +415,8 @@ class StageManifest:
         self.added_later = set(added_later)
         self.replaced = dict(replaced or {})
         self.previous = read_manifest(layout, stage)
+        if self.previous is not None and upgrade is not None:
+            self.previous = upgrade(self.previous)
 
     # -- deciding
     def changes(self) -> tuple[list[str], list[str]]:

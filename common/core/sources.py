@@ -3,19 +3,25 @@
 A source is a local .jsonl/.json/.parquet file, a directory of them, or a `datasets` hub name. Each
 reader yields (where, row, skip_reason, detail): row is a dict, or None with a skip reason
 (malformed_json, invalid_utf8) when the raw record itself is unusable; one bad line never aborts
-the read. `row_messages` reads a ShareGPT (`conversations`: [{"from", "value"}]) or OpenAI
-(`messages`: [{"role", "content"}]) row, content given as a list of parts joined; `keep_prompt` is
-01's rule for what of it is a prompt. `key` names the config key the source came from in the errors.
+the read. A file that starts with '[' is a JSON array, read record by record: one cut short (a
+download that stopped) yields its complete records, then one truncated_json_tail skip whose detail
+says where it ends (with no complete record it is an error, as is any other break of the array).
+`row_messages` reads a ShareGPT (`conversations`: [{"from", "value"}]) or OpenAI (`messages`:
+[{"role", "content"}]) row, content given as a list of parts joined; `keep_prompt` is 01's rule for
+what of it is a prompt. `key` names the config key the source came from in the errors.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from common.core.errors import ConfigError, DataError
-from common.core.io import parse_json
+from common.core.io import _has_lone_surrogate, parse_json
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -60,7 +66,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
-    """A .json file: a JSON array of rows, an object holding one list of rows, or JSONL in disguise."""
+    """A .json file that is not an array (iter_source reads those): an object holding one list of rows, one row,
+    or JSONL in disguise."""
     try:
         data = parse_json(path.read_bytes())
     except ValueError:
@@ -77,6 +84,146 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
                         f"use a .jsonl file with one conversation per line")
     for i, row in enumerate(data):
         yield f"{path}[{i}]", row, None, ""
+
+
+# A JSON array, record by record ----------------------------------------------------------------
+
+_WINDOW = 1 << 22  # characters decoded at a time: an array (GBs for some chat sets) is never held whole
+_CUT = 8  # a decode error this close to the end of the text may only mean the text ends (mid-number, mid-escape)
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _starts_array(path: Path) -> bool:
+    """Whether the file's first character, past a UTF-8 BOM and whitespace, is '['."""
+    with open(path, "rb") as f:
+        chunk = f.read(1 << 16).removeprefix(codecs.BOM_UTF8)
+        while chunk and not chunk.lstrip():
+            chunk = f.read(1 << 16)
+    return chunk.lstrip()[:1] == b"["
+
+
+_CUT_SHORT = object()  # _Window.value: the file ends inside the value
+
+
+class _Window:
+    """The part of a file being decoded: `text`, read on from character `pos`; text[0] is byte `base` of the
+    file (positions are said in bytes: what `head -c` and `truncate -s` take)."""
+
+    def __init__(self, path: Path, f):
+        self.path, self.f = path, f
+        self.base = len(codecs.BOM_UTF8) if f.read(3) == codecs.BOM_UTF8 else 0
+        f.seek(self.base)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.text, self.pos, self.eof = "", 0, False
+
+    def more(self) -> bool:
+        """Drop the text before pos and read at least as much again as is left (a long record is decoded a
+        few times, not once per chunk); False at the end of the file."""
+        if self.eof:
+            return False
+        self.base, self.text, self.pos = self.byte(self.pos), self.text[self.pos:], 0
+        data = self.f.read(max(_WINDOW, len(self.text)))
+        self.eof = not data
+        pending = len(self.utf8.getstate()[0])  # bytes of a character split by the previous read
+        try:
+            self.text += self.utf8.decode(data, final=self.eof)
+        except UnicodeDecodeError as e:
+            if self.eof and e.reason == "unexpected end of data":
+                return True  # the file ends inside a character: cut short, as the caller finds
+            at = self.f.tell() - len(data) - pending + e.start
+            raise DataError(f"{self.path} is not UTF-8 at byte {at} ({e.reason}); convert the file to UTF-8") from None
+        return True
+
+    def peek(self) -> str:
+        """The next character past whitespace, "" at the end of the file."""
+        while True:
+            self.pos = _SPACE.match(self.text, self.pos).end()
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            if not self.more():
+                return ""
+
+    def value(self, decoder: json.JSONDecoder) -> Any:
+        """The JSON value at pos, pos moved past it; _CUT_SHORT (pos at its start) when the file ends inside it.
+        Raises JSONDecodeError (positions in text) when it is not JSON."""
+        while True:
+            self.start = self.pos
+            try:
+                value, end = decoder.raw_decode(self.text, self.pos)
+            except json.JSONDecodeError as e:
+                if not (e.msg.startswith("Unterminated string") or len(self.text) - e.pos <= _CUT):
+                    raise
+                if not self.more():
+                    return _CUT_SHORT
+                continue  # only the window ended: decode the value again with more text
+            if end < len(self.text) or not self.more():  # a number or literal may go on past the window
+                self.pos = end
+                return value
+
+    def escapes_surrogate(self) -> bool:
+        """Whether the last value's text holds an escape of a UTF-16 surrogate (\\ud800..\\udfff)."""
+        return self.text.find("\\ud", self.start, self.pos) >= 0 or self.text.find("\\uD", self.start, self.pos) >= 0
+
+    def byte(self, i: int) -> int:
+        return self.base + len(self.text[:i].encode("utf-8"))
+
+
+def _records(k: int) -> str:
+    return f"{k} complete record{'' if k == 1 else 's'}"
+
+
+def _iter_json_array(path: Path) -> Iterator[tuple[str, Any, str | None, str]]:
+    """A file that starts with '[', one record at a time (raw_decode over a window sliding along the file).
+
+    A file cut short (a download that stopped) yields its complete records, then one truncated_json_tail skip
+    saying where it ends; with no complete record, or anything else that is not one JSON array, it is a
+    DataError naming the byte and the record."""
+    decoder = json.JSONDecoder()
+    fix = "fix the file there, or write it as JSONL (one object per line: a bad line is skipped and counted)"
+    with open(path, "rb") as f:
+        w = _Window(path, f)
+        w.peek()
+        w.pos += 1  # the '['
+        k, torn = 0, None  # complete records so far; where the file ends, when it ends inside the array
+        while w.peek() != "]":  # here: the array is empty, or ends in a trailing comma as JavaScript writes it
+            if not w.peek():
+                torn = f"after record {k}, without the array's closing ']'" if k else "before its first record"
+                break
+            try:
+                row = w.value(decoder)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} is not a valid JSON array: {e.msg} at byte {w.byte(e.pos)}, in record "
+                                f"{k + 1} (after {_records(k)}); {fix}") from None
+            except RecursionError:
+                raise DataError(f"{path}: record {k + 1} of the JSON array (at byte {w.byte(w.pos)}) is nested "
+                                f"too deeply to read; remove it") from None
+            if row is _CUT_SHORT:
+                torn = f"inside record {k + 1} (which starts at byte {w.byte(w.pos)})"
+                break
+            if w.escapes_surrogate() and _has_lone_surrogate(row):  # as parse_json refuses it
+                yield f"{path}[{k}]", None, "malformed_json", "a lone UTF-16 surrogate escape (e.g. \\ud800) is not text"
+            else:
+                yield f"{path}[{k}]", row, None, ""
+            k += 1
+            c = w.peek()
+            if c == ",":
+                w.pos += 1
+            elif c not in ("]", ""):
+                raise DataError(f"{path} is not a valid JSON array: expected ',' or ']' after record {k} at byte "
+                                f"{w.byte(w.pos)}, found {w.text[w.pos:w.pos + 20]!r}; {fix}")
+        if torn is not None:
+            detail = (f"{path}: the JSON array ends at byte {path.stat().st_size} {torn}: the file is cut short, with "
+                      f"{_records(k)} before it")
+            if not k:
+                raise DataError(f"{detail}; download or copy the file again")
+            yield f"{path}[{k}]", None, "truncated_json_tail", detail
+            return
+        w.pos += 1  # the ']'
+        end = w.byte(w.pos)
+        if w.peek():
+            raise DataError(f"{path}: the JSON array ends at byte {end} ({_records(k)}), but the file goes on "
+                            f"({w.text[w.pos:w.pos + 20]!r}...); the array must be the whole file: remove what "
+                            f"follows it")
 
 
 def _iter_parquet(path: Path, key: str = "data.source") -> Iterator[tuple[str, Any, str | None, str]]:
@@ -152,7 +299,10 @@ def iter_source(source: str, subset: str | None, split: str, key: str = "data.so
         return
     readers = {".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": lambda path: _iter_parquet(path, key)}
     for path in files:
-        yield from readers[path.suffix.lower()](path)
+        if path.suffix.lower() != ".parquet" and _starts_array(path):  # a JSON array, whatever the name says
+            yield from _iter_json_array(path)
+        else:
+            yield from readers[path.suffix.lower()](path)
 
 
 # ---------------------------------------------------------------------------------------------

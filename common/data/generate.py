@@ -51,6 +51,7 @@ from common.data.generate_tokenize import (
     tokenize_outputs,
     tokenizer_path,
 )
+from common.target.loading import tokenizer_fingerprint
 
 log = logging.getLogger("generate")
 
@@ -213,7 +214,7 @@ def stage_manifest(cfg: Config, layout: Layout, tokenizer) -> StageManifest:
             "sampling": {"model": g.model, "max_tokens": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p,
                          "enable_thinking": g.enable_thinking, "extra_body": g.extra_body},
             "tokenize": {"max_seq_len": t.max_seq_len, "overlong": t.overlong, "token_ids_from": t.token_ids_from,
-                         "tokenizer": tokenizer_path(cfg),
+                         "tokenizer": tokenizer_fingerprint(layout, tokenizer_path(cfg)),  # by content, not path
                          "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()},
         },
         redo_on={layout.name(layout.prompts), "tokenize"},

@@ -107,7 +107,8 @@ def leave_out_overlong(cfg: Config, tokenizer, prompts: list[dict], skipped: Cou
     renders it) would come back 400, one round trip each. The others are counted in `skipped`, by reason."""
     from common.target.tokenization import ContextCheck
 
-    check = ContextCheck(tokenizer, cfg.server.max_model_len, template_kwargs_of(cfg.generate))
+    check = ContextCheck(tokenizer, cfg.server.max_model_len, template_kwargs_of(cfg.generate),
+                         ("generate.max_tokens", cfg.generate.max_tokens))
     kept = []
     for p in prompts:
         reason = check.reason(p["messages"])

@@ -12,6 +12,9 @@ in data/prepare_report.json by reason, never fatal:
 
   malformed_json  a JSONL line that does not parse as a JSON object
   invalid_utf8    a line with bytes that are not UTF-8
+  truncated_json_tail  a JSON array cut short (a download that stopped): its complete records are
+                  kept, the torn tail counts once, and the report's "truncated_json_tails" say where
+                  each file ends (byte, record); 01 warns. Cut short before any complete record: an error
   bad_fields      no conversation field, or fields of the wrong type / unknown role
   no_user_turn    no user turn at all (e.g. system prompt only)
   empty           every user turn is empty or whitespace
@@ -28,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -35,11 +40,13 @@ from pathlib import Path
 
 from common.core.errors import DataError
 from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
-from common.core.run_folder import Layout, StageManifest
+from common.core.run_folder import Layout, StageManifest, combined_fingerprint, input_identity
 from common.core.sources import BadFields, iter_source, keep_prompt, local_source_files, row_messages  # noqa: F401 (01b)
 
-DROP_REASONS = ("malformed_json", "invalid_utf8", "bad_fields", "no_user_turn", "empty", "duplicate", "over_max_samples")
+DROP_REASONS = ("malformed_json", "invalid_utf8", "truncated_json_tail", "bad_fields", "no_user_turn", "empty", "duplicate",
+                "over_max_samples")
 MAX_EXAMPLES = 10  # skipped rows quoted in the report
+log = logging.getLogger("prepare")
 
 # ---------------------------------------------------------------------------------------------
 # Ids and splits (reading the source and a row's messages: common.core.sources)
@@ -74,11 +81,28 @@ def output_paths(cfg) -> tuple[Path, Path]:
 
 
 def stage_manifest(cfg) -> StageManifest:
-    """01's record (common.core.run_folder): the data config, and the local source files by content."""
+    """01's record (common.core.run_folder): the data config, and a local data.source by content (a folder's data
+    files by their names in it), not by path: the same data moved or copied elsewhere is the same source. A hub
+    name is a setting."""
+    layout = Layout.of(cfg)
     files = local_source_files(cfg.data.source)
-    inputs = {f"source {p}": p for p in files} if files is not None else {}
-    settings = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()}
-    return StageManifest(Layout.of(cfg), "01_prepare_data", inputs=inputs, settings=settings)
+    local = files is not None
+    inputs = {"data.source": input_identity(layout, cfg.data.source, files)} if local else {}
+    settings = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items() if not (local and k == "source")}
+    return StageManifest(layout, "01_prepare_data", inputs=inputs, settings=settings, upgrade=_source_by_content)
+
+
+def _source_by_content(previous: dict) -> dict:
+    """01's manifest from before it keyed data.source by content (inputs "source PATH", the path a setting), as this
+    code records it: a run folder made then is not refused for a source that did not change."""
+    old = {Path(k[len("source "):]): v for k, v in (previous.get("inputs") or {}).items() if k.startswith("source ")}
+    settings = dict(previous.get("settings") or {})
+    root = Path(os.path.expanduser(str(settings.pop("data.source", ""))))
+    if not old or not all(p.is_relative_to(root) for p in old):
+        return previous
+    digest = old[root] if root in old else combined_fingerprint(  # a file, or a folder's files as 01 reads them
+        (str(p.relative_to(root)), v) for p, v in sorted(old.items()))
+    return {**previous, "inputs": {"data.source": digest}, "settings": settings}
 
 
 def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict:
@@ -93,6 +117,10 @@ def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict
     out_rows = assign_ids(scan, cfg.data)
     if not out_rows:
         raise no_usable_prompts(cfg.data, scan)  # a refusal leaves the previous outputs as they were
+    # 05's prompt sets must read and stay apart from this training split: said now, not after 01b's generation.
+    from common.evaluate.prompt_sets import check_sets_before_training
+
+    check_sets_before_training(cfg, out_rows)
     # Rebuilding: the old report goes first, so a crash below never leaves it next to a half-new state.
     report_path.unlink(missing_ok=True)
     write_jsonl_atomic(prompts_path, out_rows)
@@ -110,6 +138,7 @@ class SourceScan:
     n_read: int = 0
     dropped: Counter = dataclasses.field(default_factory=Counter)
     examples: list[dict] = dataclasses.field(default_factory=list)
+    truncated: list[str] = dataclasses.field(default_factory=list)  # where each JSON array cut short ends
     source_ids: Counter = dataclasses.field(default_factory=Counter)  # over the whole source
 
     def skip(self, where: str, reason: str, detail: str) -> None:
@@ -128,6 +157,10 @@ def scan_source(d, progress: bool) -> SourceScan:
         scan.n_read += 1
         if reason is not None:
             scan.skip(where, reason, detail)
+            if reason == "truncated_json_tail":  # the complete records before it are read and kept
+                scan.truncated.append(detail)
+                log.warning("%s; 01 keeps those (truncated_json_tail in prepare_report.json): get the whole file "
+                            "for the rest", detail)
             continue
         try:
             messages = row_messages(row)
@@ -173,6 +206,7 @@ def assign_ids(scan: SourceScan, d) -> list[dict]:
 def no_usable_prompts(d, scan: SourceScan) -> DataError:
     reasons = ", ".join(f"{k} {v}" for k, v in scan.dropped.most_common()) or "the source is empty"
     first = f"; first skipped: {scan.examples[0]['where']} ({scan.examples[0]['reason']})" if scan.examples else ""
+    first += "".join(f"; {t}" for t in scan.truncated)
     return DataError(f"no usable prompts in {d.source} ({scan.n_read} rows read; dropped: {reasons}){first}; "
                      f"rows need a 'conversations' (ShareGPT) or 'messages' (OpenAI) list with a user turn")
 
@@ -191,6 +225,7 @@ def make_report(d, scan: SourceScan, out_rows: list[dict], seconds: float) -> di
             "dropped": {reason: scan.dropped.get(reason, 0) for reason in DROP_REASONS},
         },
         "skipped_examples": scan.examples,
+        "truncated_json_tails": scan.truncated,
         "seconds": round(seconds, 3),
     }
 

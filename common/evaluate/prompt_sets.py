@@ -119,7 +119,8 @@ def context_check(cfg: Config) -> ContextCheck:
 
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.model, cfg.target.trust_remote_code,
                                require_chat_template=False)
-    return ContextCheck(tokenizer, cfg.server.max_model_len, template_kwargs_of(cfg.generate))
+    return ContextCheck(tokenizer, cfg.server.max_model_len, template_kwargs_of(cfg.generate),
+                        ("evaluate.max_tokens", cfg.evaluate.max_tokens))
 
 
 def _no_prompt_left(key: str, source: str, n_read: int, skipped: Counter, first_skipped: Optional[str]) -> DataError:

@@ -40,6 +40,7 @@ rank k % world_size; rank 0 merges the ranks' index fragments into index.json on
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import shutil
 from dataclasses import asdict, dataclass
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from common.core.errors import ConfigError, DataError
-from common.core.io import bytes_bar, folder_bytes, format_bytes, read_json
+from common.core.io import bytes_bar, folder_bytes, format_bytes
 from common.core.run_folder import Layout, StageManifest
 from common.extract.planning import load_plan, make_plan, plan_header, plan_settings, shard_bytes, write_plan
 from common.extract.scan import input_paths
@@ -241,12 +242,17 @@ def prepare(cfg, info, layout: Layout, fresh: HiddenPlan | None = None) -> Due:
             plan = load_plan(cfg, info, layout, manifest.result.get("plan_sha256"))
         else:
             plan = write_plan(layout, manifest, make_plan(cfg, info, paths, layout))
-    due = survey(cfg, layout, plan, plan_header(cfg, layout, plan))
+    existing = read_index(layout)
+    header = plan_header(cfg, layout, plan)
+    if header.get("target_weights") and existing.get("target_weights") == header["target_weights"]:
+        # The same weights at another path are the same target: index.json keeps the path it names, so moving the
+        # target rewrites nothing (04 fingerprints index.json, and under rounds its header).
+        header["target_model"] = existing.get("target_model")
+    due = survey(cfg, layout, plan, header)
     index = due.index()
     if due.nothing_due:
-        existing = read_json(layout.hidden_index) if layout.hidden_index.is_file() else None
         # an index written before 02 recorded target_weights stays as it is: 04 fingerprints index.json
-        if existing is None or existing not in (index, {k: v for k, v in index.items() if k != "target_weights"}):
+        if existing not in (index, {k: v for k, v in index.items() if k != "target_weights"}):
             write_index(layout.hidden_index, index)
         for frag in layout.index_fragments():
             frag.unlink(missing_ok=True)
@@ -255,6 +261,15 @@ def prepare(cfg, info, layout: Layout, fresh: HiddenPlan | None = None) -> Due:
         check_disk_for(cfg, layout, plan, due.header, due.todo)
     write_index(layout.hidden_index, index)
     return due
+
+
+def read_index(layout: Layout) -> dict:
+    """index.json as it is on disk; {} when there is none or it is unreadable (survey verifies its shards again)."""
+    try:
+        doc = json.loads(layout.hidden_index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def next_in_stream(cfg, layout: Layout, plan: HiddenPlan, header: dict, wait: StreamWait) -> Due:

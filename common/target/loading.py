@@ -8,7 +8,6 @@ shards, and `load_target_info` reads only config.json.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -146,11 +145,22 @@ def target_fingerprint(layout, model_path: str) -> str | None:
     if not model_dir.is_dir():
         return None
     files = [model_dir / "config.json", model_dir / "model.safetensors.index.json", *sorted(model_dir.glob("*.safetensors"))]
-    h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            h.update(f"{f.name}\0{content_fingerprint(layout, f)}\n".encode())
-    return h.hexdigest()
+    return content_fingerprint(layout, model_dir, [f for f in files if f.is_file()])
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def tokenizer_fingerprint(layout, path: str) -> str:
+    """What tokenizing with the tokenizer at `path` depends on, by content: its folder's files but the weights
+    (tokenizer.json and its config, vocab, merges, a chat template, remote code), hashed once (stages/hashes.json);
+    the hub id when it is not a local folder."""
+    from common.core.run_folder import input_identity
+
+    folder = Path(path)
+    files = [f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)] \
+        if folder.is_dir() else None
+    return input_identity(layout, path, files)
 
 
 def _safetensors_key_index(model_dir: Path) -> dict[str, str]:

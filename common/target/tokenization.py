@@ -165,8 +165,13 @@ class ContextCheck:
     is counted as the server renders it (the chat template with the generation prompt, no special tokens
     added); a tokenizer without a template counts the turns' text alone, a lower bound."""
 
-    def __init__(self, tokenizer, max_model_len: int, template_kwargs: Optional[dict] = None):
+    def __init__(self, tokenizer, max_model_len: int, template_kwargs: Optional[dict] = None,
+                 max_tokens: Optional[tuple[str, int]] = None):
+        """max_tokens: (its config key, value): vLLM refuses every request asking for more than max_model_len."""
         self.tokenizer, self.max_model_len, self.template_kwargs = tokenizer, max_model_len, template_kwargs or {}
+        if max_tokens is not None and max_tokens[1] > max_model_len:
+            raise DataError(f"{max_tokens[0]}={max_tokens[1]} is more than server.max_model_len={max_model_len}: vLLM refuses "
+                            f"every such request (400); lower {max_tokens[0]} or raise server.max_model_len")
 
     def length(self, messages: list[dict]) -> int:
         if getattr(self.tokenizer, "chat_template", None):

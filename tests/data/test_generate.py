@@ -618,7 +618,8 @@ def test_prompts_longer_than_the_server_context_are_left_out_before_any_request(
     # nothing fits: one line naming the limit, no request, nothing written or deleted
     before = {f.name: f.read_bytes() for f in (run_dir / "data").iterdir()}
     with FaultServer(Faults(seed=4)) as server:
-        res = run_01b(config(write_config, server, chat_tokenizer_dir), "--set", "server.max_model_len=8", "--overwrite")
+        res = run_01b(config(write_config, server, chat_tokenizer_dir, max_tokens=4), "--set", "server.max_model_len=8",
+                      "--overwrite")
         assert server.stats.requests == 0
     error_line(res, "all 10 prompts of", "are too long for the server (server.max_model_len=8 tokens",
                "raise server.max_model_len")
@@ -643,3 +644,28 @@ def test_a_reply_merging_with_the_generation_prompt_is_a_counted_skip(run_dir, w
     counts = tokenize_outputs(cfg, Layout.of(cfg), prompts, done, load_tokenizer(str(tok_dir)))
     assert counts.train == 1 and counts.skipped == {"token_boundary_merge": 1}
     assert [r["id"] for r in rows_of(run_dir / "data" / "train.jsonl")] == ["ok"]
+
+
+def test_a_moved_tokenizer_is_the_same_tokenizer(run_dir, write_config, chat_tokenizer_dir, api_key, tmp_path, capsys):
+    """Issue 33, case 11: 01b recorded the tokenizer (target.model) by path, so the same files at another path
+    retokenized everything and rewrote data/. Now it is complete and rewrites nothing; other files retokenize."""
+    import shutil
+
+    make_prompts(run_dir, 6)
+    with FaultServer(Faults(seed=1)) as server:
+        assert run_stage(load_config(config(write_config, server, chat_tokenizer_dir))) == 0
+    outputs = [run_dir / "data" / name for name in ("raw_responses.jsonl", "train.jsonl", "eval.jsonl", "generate_report.json")]
+
+    def state() -> list:
+        return [(p.read_bytes(), p.stat().st_mtime_ns) for p in outputs]
+
+    before = state()
+    moved = shutil.copytree(chat_tokenizer_dir, tmp_path / "elsewhere" / "tokenizer")
+    capsys.readouterr()
+    assert run_stage(load_config(config(write_config, "http://127.0.0.1:9/v1", moved))) == 0  # no server needed
+    assert "already complete" in capsys.readouterr().out
+    assert state() == before
+    with open(moved / "tokenizer_config.json", "a") as f:
+        f.write("\n")  # another file: retokenized (a redo, not an error), still without a server
+    assert run_stage(load_config(config(write_config, "http://127.0.0.1:9/v1", moved))) == 0
+    assert "already complete" not in capsys.readouterr().out

@@ -180,8 +180,8 @@ def test_each_drop_reason_is_counted(tmp_path):
     assert report["counts"]["read"] == 15
     assert report["counts"]["kept"] == 1
     assert report["counts"]["dropped"] == {
-        "malformed_json": 2, "invalid_utf8": 1, "bad_fields": 6, "no_user_turn": 1, "empty": 2, "duplicate": 1,
-        "over_max_samples": 1,
+        "malformed_json": 2, "invalid_utf8": 1, "truncated_json_tail": 0, "bad_fields": 6, "no_user_turn": 1, "empty": 2,
+        "duplicate": 1, "over_max_samples": 1,
     }
     wheres = [(e["where"], e["reason"]) for e in report["skipped_examples"]]
     assert wheres[:4] == [(f"{src}:2", "malformed_json"), (f"{src}:3", "malformed_json"), (f"{src}:4", "invalid_utf8"),
@@ -329,3 +329,195 @@ def test_a_refused_overwrite_keeps_the_previous_prompts(tmp_path):
     with pytest.raises(DataError, match="no usable prompts"):
         prepare_prompts(make_cfg(run, source=str(unusable)), overwrite=True, progress=False)
     assert {p.name: p.read_bytes() for p in (run / "data").iterdir()} == before
+
+
+def test_prompt_sets_are_checked_by_01_before_any_generation(tmp_path, write_config, run_dir):
+    """Issue 33, case 7: a prompt set that shares a prompt with the training split, or that cannot be read, was refused
+    only at 05's baseline, after 01b's whole generation. 01 refuses it before it writes anything."""
+    rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()][:40]
+    source = write_jsonl(tmp_path / "source.jsonl", rows)
+    train_prompt = next(m["content"] for m in rows[0]["messages"] if m["role"] == "user")
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"question_id": 1, "turns": ["A question nobody trains on."]},
+                                                   {"question_id": 2, "turns": [train_prompt]}])
+    cfg = write_config({"data": {"source": str(source), "eval_fraction": 0.0},
+                        "evaluate": {"prompt_sets": {"bench": str(bench)}}})
+    p = run_cli("--config", str(cfg))
+    error_line(p, f"evaluate.prompt_sets.bench {bench} shares 1 prompt(s) with the training data (first: 2)")
+    assert not (run_dir / "data").exists()
+
+    cfg = write_config({"data": {"source": str(source)}, "evaluate": {"prompt_sets": {"gone": str(tmp_path / "gone.jsonl")}}})
+    error_line(run_cli("--config", str(cfg)), "evaluate.prompt_sets.gone file not found")
+    assert not (run_dir / "data").exists()
+
+
+# ----------------------------------------------------------------------------- a JSON array cut short (issue 33, case 4)
+
+
+def sharegpt_array(n: int) -> tuple[bytes, list[int]]:
+    """A ShareGPT-shaped JSON array of n records (multi-byte text: bytes are not characters) and each record's
+    first byte."""
+    records = [json.dumps({"id": f"sg-{i}", "conversations": [
+        {"from": "human", "value": f"Question {i}: café, 中文, 😀?"}, {"from": "gpt", "value": "An answer. " * 5}]},
+        ensure_ascii=False).encode() for i in range(n)]
+    starts, at = [], len(b"[\n")
+    for r in records:
+        starts.append(at)
+        at += len(r) + len(b",\n")
+    return b"[\n" + b",\n".join(records) + b"\n]\n", starts
+
+
+def test_a_json_array_cut_mid_record_keeps_its_complete_records(tmp_path, write_config, run_dir):
+    """The real case: ShareGPT_V3 as a 125 MB array cut mid-record was read line by line ("604540 rows read;
+    malformed_json 604540"). 01 keeps the complete records, counts the torn tail and says where the file ends."""
+    data, starts = sharegpt_array(50)
+    cut = starts[39] + 30  # inside record 40
+    src = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    src.write_bytes(data[:cut])
+    p = run_cli("--config", str(write_config({"data": {"source": str(src)}})))
+    assert p.returncode == 0, p.stderr
+    tail = (f"{src}: the JSON array ends at byte {cut} inside record 40 (which starts at byte {starts[39]}): the file is "
+            f"cut short, with 39 complete records before it")
+    assert f"{tail}; 01 keeps those" in p.stderr and "Traceback" not in p.stderr
+    assert "dropped 1 (truncated_json_tail 1)" in p.stdout
+    report = json.loads((run_dir / "data" / "prepare_report.json").read_text())
+    assert report["counts"]["read"] == 40 and report["counts"]["kept"] == 39
+    assert {k: v for k, v in report["counts"]["dropped"].items() if v} == {"truncated_json_tail": 1}
+    assert report["truncated_json_tails"] == [tail]
+    assert [r["id"] for r in read_prompts(run_dir)] == [f"src-sg-{i}" for i in range(39)]
+
+
+def test_a_json_array_cut_between_records_keeps_them_all(tmp_path, monkeypatch):
+    """Cut after a record's comma, read through a window of a few characters (the reader slides a window along
+    the file: a 125 MB array is never held whole)."""
+    import common.core.sources as sources
+
+    monkeypatch.setattr(sources, "_WINDOW", 16)
+    data, starts = sharegpt_array(30)
+    src = tmp_path / "cut.json"
+    src.write_bytes(data[:starts[20]])  # records 1..20, each with its comma
+    report = prepare_prompts(make_cfg(tmp_path / "run", source=str(src)), progress=False)
+    assert report["counts"]["kept"] == 20 and report["counts"]["dropped"]["truncated_json_tail"] == 1
+    assert report["truncated_json_tails"] == [
+        f"{src}: the JSON array ends at byte {starts[20]} after record 20, without the array's closing ']': the file "
+        f"is cut short, with 20 complete records before it"]
+    assert [r["id"] for r in read_prompts(tmp_path / "run")] == [f"src-sg-{i}" for i in range(20)]
+
+
+def test_a_json_array_cut_at_any_byte_yields_its_complete_records(tmp_path, monkeypatch):
+    """Every cut of a small array, read through a 5-character window: its complete records, then one
+    truncated_json_tail naming the file's size (an error when no record is complete); whole, it reads whole."""
+    import common.core.sources as sources
+    from common.core.sources import iter_source
+
+    monkeypatch.setattr(sources, "_WINDOW", 5)
+    array, starts = sharegpt_array(3)
+    whole = json.loads(array)
+    src = tmp_path / "a.json"
+    for prefix in (b"", b"\xef\xbb\xbf \n"):  # a UTF-8 BOM and whitespace before the '[' are skipped
+        data = prefix + array
+        ends = [len(prefix) + e for e in (starts[1] - 2, starts[2] - 2, len(array) - 3)]  # each record's last byte + 1
+        for cut in range(len(prefix) + 1, len(data) + 1):
+            src.write_bytes(data[:cut])
+            complete = sum(end <= cut for end in ends)
+            if not complete:
+                with pytest.raises(DataError, match=f"ends at byte {cut} .*with 0 complete records before it"):
+                    list(iter_source(str(src), None, "train"))
+                continue
+            got = list(iter_source(str(src), None, "train"))
+            assert [row for _, row, _, _ in got[:complete]] == whole[:complete], cut
+            if cut <= data.rindex(b"]"):  # the closing ']' is cut off
+                assert len(got) == complete + 1 and got[-1][2] == "truncated_json_tail", cut
+                assert f"ends at byte {cut} " in got[-1][3], (cut, got[-1])
+            else:
+                assert len(got) == 3, cut
+
+
+def test_a_json_array_cut_inside_its_first_record_is_one_error_line(tmp_path, write_config, run_dir):
+    data, starts = sharegpt_array(5)
+    src = tmp_path / "cut.json"
+    src.write_bytes(data[:starts[0] + 40])
+    p = run_cli("--config", str(write_config({"data": {"source": str(src)}})))
+    error_line(p, f"{src}: the JSON array ends at byte {starts[0] + 40} inside record 1 (which starts at byte 2): the file "
+                  f"is cut short, with 0 complete records before it; download or copy the file again")
+    assert not (run_dir / "data").exists()
+
+
+def test_garbage_after_a_complete_json_array_is_one_error_line(tmp_path, write_config, run_dir):
+    data, _ = sharegpt_array(5)
+    src = tmp_path / "two.json"
+    src.write_bytes(data + b"[{\"id\": \"a second array\"}]\n")
+    p = run_cli("--config", str(write_config({"data": {"source": str(src)}})))
+    error_line(p, f"{src}: the JSON array ends at byte {len(data.rstrip())} (5 complete records), but the file goes on "
+                  f"('[{{\"id\": \"a second", "the array must be the whole file: remove what follows it")
+    assert not (run_dir / "data").exists()
+
+
+# ----------------------------------------------------------------------------- the source by content (issue 33, case 11)
+
+
+def test_a_moved_source_is_the_same_source(tmp_path, write_config, run_dir):
+    """data.source moved to another path, same bytes: 01 is complete and rewrites nothing (it was refused: "source
+    ... is gone; source ... is new", and --overwrite would have redone 01b downstream). Other bytes are a change."""
+    (tmp_path / "a").mkdir()
+    src = write_jsonl(tmp_path / "a" / "in.jsonl", [SHAREGPT, OPENAI])
+    assert run_cli("--config", str(write_config({"data": {"source": str(src)}}))).returncode == 0
+    outputs = [run_dir / "data" / "prompts.jsonl", run_dir / "data" / "prepare_report.json"]
+    def state() -> list:
+        return [(f.read_bytes(), f.stat().st_mtime_ns) for f in outputs]
+
+    before = state()
+    moved = tmp_path / "b" / "renamed.jsonl"
+    moved.parent.mkdir()
+    src.rename(moved)
+    cfg = write_config({"data": {"source": str(moved)}})
+    p = run_cli("--config", str(cfg))
+    assert p.returncode == 0 and "already complete" in p.stdout, p.stderr
+    assert state() == before
+    manifest = json.loads((run_dir / "stages" / "01_prepare_data.json").read_text())
+    assert manifest["inputs"] == {"data.source": hashlib.sha256(moved.read_bytes()).hexdigest()}
+    assert "data.source" not in manifest["settings"]
+
+    write_jsonl(moved, [SHAREGPT])
+    error_line(run_cli("--config", str(cfg)), "01_prepare_data: the outputs in", "(data.source changed)", "--overwrite")
+    assert state() == before
+
+
+def test_a_moved_source_folder_is_the_same_source_and_a_renamed_file_in_it_is_not(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    write_jsonl(src / "a.jsonl", [SHAREGPT])
+    write_jsonl(src / "sub" / "b.jsonl", [OPENAI])
+    (src / "notes.txt").write_text("not data")
+    run = tmp_path / "run"
+    assert prepare_prompts(make_cfg(run, source=str(src)), progress=False)["status"] == "done"
+    (src / "notes.txt").write_text("changed, still not data")  # only the data files are the source
+    moved = tmp_path / "elsewhere"
+    src.rename(moved)
+    assert prepare_prompts(make_cfg(run, source=str(moved)), progress=False)["status"] == "already_complete"
+    (moved / "a.jsonl").rename(moved / "c.jsonl")  # read in another order: another source
+    with pytest.raises(DataError, match=r"data\.source changed.*--overwrite"):
+        prepare_prompts(make_cfg(run, source=str(moved)), progress=False)
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_run_folder_whose_01_recorded_the_source_by_path_stays_complete(tmp_path, folder):
+    """01's manifest before the source was keyed by content ("source PATH" inputs, the path a setting): the same
+    source is complete, and the manifest is recorded anew by content."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = [write_jsonl(src / "a.jsonl", [SHAREGPT])] + ([write_jsonl(src / "b.jsonl", [OPENAI])] if folder else [])
+    source = src if folder else files[0]
+    run = tmp_path / "run"
+    prepare_prompts(make_cfg(run, source=str(source)), progress=False)
+    path = run / "stages" / "01_prepare_data.json"
+    manifest = json.loads(path.read_text())
+    new_inputs = manifest["inputs"]
+    manifest["inputs"] = {f"source {f}": hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    manifest["settings"]["data.source"] = str(source)
+    path.write_text(json.dumps(manifest))
+    assert prepare_prompts(make_cfg(run, source=str(source)), progress=False)["status"] == "already_complete"
+    assert json.loads(path.read_text())["inputs"] == new_inputs
+    write_jsonl(files[0], [OPENAI])  # and a changed one is still a change
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"data\.source changed"):
+        prepare_prompts(make_cfg(run, source=str(source)), progress=False)

@@ -513,3 +513,52 @@ def test_changed_target_weights_stop_02_and_04(tmp_path):
     assert run_stage("02_extract_hidden.py", cfg, "--overwrite").returncode == 0
     assert {p.name: p.read_bytes() for p in (run_dir / "hidden").glob("shard-*")} != shards
     assert run_stage("04_train.py", cfg, "--overwrite").returncode == 0
+
+
+def test_a_moved_run_and_target_rewrite_nothing_and_a_finished_04_stays_complete(tmp_path, capsys):
+    """Issue 33, case 11: the run folder and target.model moved to other paths, same files. 02's no-op rerun rewrote
+    hidden/index.json (its header names the target's path) and a finished 04 then refused ("hidden/index.json
+    changed"): moving a target forced a retrain. Now each stage is complete and rewrites nothing; 01b's tokenizer is
+    the same one by content."""
+    import shutil
+
+    from common.core.config import load_config
+    from common.core.io import write_jsonl_atomic
+    from common.core.run_folder import Layout
+    from common.target.loading import tokenizer_fingerprint
+    from common.vocab.vocab_map import run_vocab_map
+    from tests.helpers import base_config, make_target, run_stage, structured_samples
+
+    target = make_target(tmp_path / "target")
+    run_dir = tmp_path / "run"
+    write_jsonl_atomic(run_dir / "data" / "train.jsonl", structured_samples(12, 1, "tr"))
+    write_jsonl_atomic(run_dir / "data" / "eval.jsonl", structured_samples(4, 2, "ev"))
+    train = {"max_steps": 2, "eval_every": 0, "checkpoint_every": 2}
+    cfg = write_yaml(tmp_path / "run.yaml", base_config(run_dir, target, **train))
+    run_extraction(load_config(cfg))
+    run_vocab_map(load_config(cfg))
+    assert run_stage("04_train.py", cfg).returncode == 0
+    watched = [run_dir / "hidden" / "index.json", run_dir / "hidden" / "plan.json", run_dir / "vocab" / "report.json",
+               run_dir / "train" / "final" / "model.safetensors"]
+
+    def state() -> list:
+        return [(p.read_bytes(), p.stat().st_mtime_ns) for p in watched]
+
+    before = state()
+    tokenizer = tokenizer_fingerprint(Layout(run_dir), str(target))
+    moved, moved_run = tmp_path / "elsewhere" / "target", tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    shutil.move(target, moved)
+    shutil.move(run_dir, moved_run)
+    watched = [moved_run / p.relative_to(run_dir) for p in watched]
+    run_dir = moved_run
+    cfg = write_yaml(tmp_path / "run.yaml", base_config(run_dir, moved, **train))
+    capsys.readouterr()
+    assert run_extraction(load_config(cfg))["status"] == "complete"
+    run_vocab_map(load_config(cfg))
+    out = capsys.readouterr().out
+    assert "02_extract_hidden: already complete" in out and "03_build_vocab_map: already complete" in out
+    res = run_stage("04_train.py", cfg)
+    assert res.returncode == 0 and "04_train: already complete" in res.stdout, res.stderr[-3000:]
+    assert state() == before
+    assert tokenizer_fingerprint(Layout(run_dir), str(moved)) == tokenizer != str(target)

@@ -197,6 +197,22 @@ def test_a_foreign_server_on_server_port_stops_the_pipeline(tmp_path):
     assert not (run / "data" / "raw_responses.jsonl").exists() and not (run / "data" / "train.jsonl").exists()
 
 
+def test_checks_that_need_no_server_come_before_vllm_starts(tmp_path, tiny_target_dir):
+    """Issue 33, cases 5-7: what 01b and 05 would refuse without a server (the chat template, prompts longer than
+    server.max_model_len, the prompt sets) is said before run_pipeline spends ~100 s starting vLLM."""
+    run = tmp_path / "run"
+    code, out = run_pipeline(run, "--tiny-target", "llama", "--set", "server.max_model_len=32", timeout=300)
+    assert code == 2, out[-3000:]  # every request would be a 400: asking for more tokens than the context holds
+    assert out.splitlines()[-1] == ("error: generate.max_tokens=256 is more than server.max_model_len=32: vLLM refuses every "
+                                    "such request (400); lower generate.max_tokens or raise server.max_model_len")
+    sets = [a for s in ("server.max_model_len=8", "generate.max_tokens=8", "evaluate.max_tokens=8") for a in ("--set", s)]
+    code, out = run_pipeline(run, "--tiny-target", "llama", *sets, timeout=300)
+    assert code == 2, out[-3000:]
+    assert "are too long for the server (server.max_model_len=8 tokens" in out.splitlines()[-1]
+    assert "run_pipeline: stopped in 01b_generate_synthetic" in out and "starting a vLLM server" not in out
+    assert not (run / "data" / "raw_responses.jsonl").exists()
+
+
 def alive(pid: int) -> bool:
     """True if pid is a running process (a zombie awaiting its reaper counts as dead)."""
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -474,3 +475,70 @@ def test_a_damaged_shard_under_rounds_is_repaired_by_the_advice_without_losing_t
         assert run_extraction(cfg)["shards"] == 1
         open_round()
         assert {p.name: p.read_bytes() for p in [layout.hidden_plan, layout.hidden_consumed, *layout.shard_files()]} == kept
+
+
+def sharegpt_array(path: Path, n: int, long_every: int, tail: bool = True) -> dict:
+    """A ShareGPT-shaped JSON array (ShareGPT_V3_unfiltered_cleaned_split.json's shape) of the first n sample prompts,
+    every long_every-th first user turn grown past 2048 tokens, and, like the published file, a last record cut in
+    the middle. Returns the counts the run must report."""
+    rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()][:n + 1]
+    records, long_ids = [], []
+    for i, row in enumerate(rows):
+        turns = row.get("conversations") or [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                              "value": m["content"]} for m in row["messages"]]
+        turns = [dict(t) for t in turns if t["from"] != "system"]
+        turns[0]["value"] += f" (question {i})"  # no duplicates for 01 to drop
+        if i % long_every == 1:
+            turns[0]["value"] += " Please read all of this:" + " and more" * 1500
+            long_ids.append(f"sg-{i}")
+        records.append({"id": f"sg-{i}", "conversations": turns})
+    text = "[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n"
+    last = text.rindex('{"id"')
+    path.write_text(text[:last + 40] if tail else text)  # the last record torn after 40 bytes
+    return {"complete": n, "long": [x for x in long_ids if x != f"sg-{n}"]}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_run_pipeline_on_sharegpt_data_under_a_disk_budget_trains_to_the_end(tmp_path, vllm_server, tiny_target_dir):
+    """run_pipeline.py itself, as a user runs the real-data route under a disk budget: a ShareGPT JSON array with a torn
+    last record and prompts longer than the served context -> 01 keeps the complete records -> 01b (real vLLM) leaves
+    the long prompts out before any request -> the baseline -> then 02 and 04 alternate round after round
+    (extract.backend hf) until 04 is complete. hidden/ is sampled all along and stays within the budget."""
+    source = tmp_path / "ShareGPT_V3_like.json"
+    expect = sharegpt_array(source, 60, long_every=12)
+    tree = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    run_dir = tmp_path / "run"
+    tree["run_dir"] = str(run_dir)
+    tree["target"]["model"] = str(tiny_target_dir)
+    tree["data"].update(source=str(source), eval_fraction=0.15)
+    tree["generate"]["max_tokens"] = 96
+    tree["server"]["max_model_len"] = 2048  # the session server's
+    tree["extract"].update(backend="hf", shard_max_tokens=1024, max_disk_gb=0.006)
+    tree["train"].update(epochs=EPOCHS, max_steps=None, checkpoint_every=5)
+    tree["evaluate"].update(num_prompts=4, max_tokens=32, other_prompts=str(REPO / "data" / "other_prompts.jsonl"))
+    cfg = write_yaml(tmp_path / "sharegpt.yaml", tree)
+    cmd = [sys.executable, str(REPO / "run_pipeline.py"), "--config", str(cfg), "--server-url", vllm_server.base_url,
+           "--stop-after", "04_train"]
+    with DiskSampler(run_dir / "hidden") as disk:
+        res = subprocess.run(cmd, cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "pipeline stopped after 04_train" in res.stdout
+
+    prepared = json.loads((run_dir / "data" / "prepare_report.json").read_text())
+    assert prepared["counts"]["read"] == expect["complete"] + 1 and prepared["counts"]["kept"] == expect["complete"], prepared
+    assert {k: n for k, n in prepared["counts"]["dropped"].items() if n} == {"truncated_json_tail": 1}, prepared
+    generated = json.loads((run_dir / "data" / "generate_report.json").read_text())
+    assert generated["skipped_prompts"] == {"over_max_model_len": len(expect["long"])}, generated
+    assert generated["num_done"] == expect["complete"] - len(expect["long"]) and generated["complete"]
+    assert f"left out {len(expect['long'])} of {expect['complete']} prompts the server cannot take" in res.stdout
+
+    plan = json.loads((run_dir / "hidden" / "plan.json").read_text())
+    assert len(plan["rounds"]) >= 2 * EPOCHS, plan["rounds"]
+    assert disk.samples > 50 and disk.peak <= plan["max_disk_bytes"], (disk.peak, plan["max_disk_bytes"])
+    check_ledger(run_dir)
+    assert json.loads((run_dir / "stages" / "04_train.json").read_text())["state"] == "complete"
+    assert (run_dir / "train" / "final" / "model.safetensors").is_file()
+    # a rerun finds every stage complete
+    again = subprocess.run(cmd, cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and re.search(r"^04_train .* already complete$", again.stdout, re.M), again.stdout[-3000:]
