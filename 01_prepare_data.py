@@ -17,8 +17,10 @@ from common.core.cli import stage_main
 
 def run(cfg, args) -> int:
     from common.data.prepare import output_paths, prepare_prompts, summary_line
+    from common.evaluate.prompt_sets import check_sets_before_training
 
-    report = prepare_prompts(cfg, overwrite=args.overwrite)
+    # 05's prompt sets must read and stay apart from the training split: said now, not after 01b's generation
+    report = prepare_prompts(cfg, overwrite=args.overwrite, check_rows=lambda rows: check_sets_before_training(cfg, rows))
     prompts_path, _ = output_paths(cfg)
     if report["status"] == "already_complete":
         c = report["counts"]

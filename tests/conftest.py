@@ -1,6 +1,6 @@
 """Shared pytest fixtures.
 
-- tiny_target_dir (session): the cached, briefly trained tiny Llama target (common/demo/tiny_target.py);
+- tiny_target_dir (session): the tiny Llama target in the cache (the shipped build, data/tiny-targets/llama; common/demo/tiny_target.py);
   EAGLE3_TINY_TARGET_DIR=DIR uses an already built one instead.
 - vllm_server (session): one real vLLM server on the tiny target for the whole test session,
   on a free loopback port, with the <think> reasoning parser; stopped at the end. Tests that use

@@ -19,12 +19,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-from common.core.config import Config, GenerateConfig
+from common.core.config import Config
 from common.core.errors import DataError, PipelineError
 from common.core.io import jsonl_writer_atomic
 from common.core.run_folder import Layout
 from common.data.generate_files import last_turn
-from common.serving.chat import has_token_ids
+from common.serving.chat import has_token_ids, template_kwargs_of
 
 
 def tokenizer_path(cfg: Config) -> str:
@@ -40,10 +40,6 @@ def load_target_tokenizer(cfg: Config):
 
     return load_tokenizer(tokenizer_path(cfg), cfg.target.trust_remote_code,
                           require_chat_template=cfg.tokenize.token_ids_from != "server")
-
-
-def template_kwargs_of(g: GenerateConfig) -> dict:
-    return {} if g.enable_thinking is None else {"enable_thinking": g.enable_thinking}
 
 
 # ----------------------------------------------------------------------------- before any request

@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 from common.core.errors import DataError
 from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
@@ -105,8 +106,10 @@ def _source_by_content(previous: dict) -> dict:
     return {**previous, "inputs": {"data.source": digest}, "settings": settings}
 
 
-def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict:
-    """Run stage 01. Returns the report; report["status"] is "done" or "already_complete"."""
+def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True,
+                    check_rows: Optional[Callable[[list[dict]], None]] = None) -> dict:
+    """Run stage 01. Returns the report; report["status"] is "done" or "already_complete". check_rows(rows) may
+    refuse the output rows (raise) before anything is written or deleted."""
     prompts_path, report_path = output_paths(cfg)
     manifest = stage_manifest(cfg)
     if manifest.begin(overwrite, outputs=[prompts_path, report_path]) == "complete":
@@ -117,10 +120,8 @@ def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True) -> dict
     out_rows = assign_ids(scan, cfg.data)
     if not out_rows:
         raise no_usable_prompts(cfg.data, scan)  # a refusal leaves the previous outputs as they were
-    # 05's prompt sets must read and stay apart from this training split: said now, not after 01b's generation.
-    from common.evaluate.prompt_sets import check_sets_before_training
-
-    check_sets_before_training(cfg, out_rows)
+    if check_rows is not None:  # 01_prepare_data.py: 05's prompt sets, apart from this training split
+        check_rows(out_rows)
     # Rebuilding: the old report goes first, so a crash below never leaves it next to a half-new state.
     report_path.unlink(missing_ok=True)
     write_jsonl_atomic(prompts_path, out_rows)

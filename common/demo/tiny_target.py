@@ -34,6 +34,14 @@ covers this file and chat_corpus.py (the corpus), so editing either triggers one
 CLI:
     python -m common.demo.tiny_target --family llama --out DIR       # build into DIR
     python -m common.demo.tiny_target --family llama --print-path    # build into the cache (once), print the path
+    python -m common.demo.tiny_target --family llama --ship          # (re)write the shipped copy, data/tiny-targets/
+
+The default llama build (the demo's and the tests' target) is also shipped in the repository,
+data/tiny-targets/llama/ (5 MB): `ensure_tiny_target` copies it into the cache instead of training, so
+a newcomer's demo does not wait minutes for it. Its build.json records what it was built from (the
+sha256 of this file and chat_corpus.py, the parameters); an edit of either file leaves it unused (and
+tests/demo/test_tiny_target.py failing until `--ship` rewrites it). Library versions are recorded but
+not matched: a newer torch loads the same weights.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from common.demo import chat_corpus
 from common.demo.chat_corpus import conversation_messages, make_conversation
 
 FAMILIES = ("llama", "qwen3", "deepseek_v3")
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "tiny-targets"  # default builds kept in the repository
 VOCAB_SIZE = 2048
 MAX_POSITION_EMBEDDINGS = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -324,20 +333,34 @@ def cache_root_dir(cache_root: str | os.PathLike | None = None) -> Path:
     return Path(base).expanduser() / "tiny-targets"
 
 
+def build_recipe(family: str, train: bool | None = None, steps: int | None = None, seed: int = 0) -> dict:
+    """What a build depends on: this file (the builder) and chat_corpus.py (the corpus), by sha256, and the
+    parameters."""
+    train = True if train is None else train
+    steps = default_steps(family) if steps is None else steps
+    code = hashlib.sha256(Path(__file__).read_bytes() + Path(chat_corpus.__file__).read_bytes()).hexdigest()
+    return {"code_sha256": code, "family": family, "train": train, "steps": steps if train else 0, "seed": seed}
+
+
 def build_key(family: str, train: bool | None = None, steps: int | None = None, seed: int = 0) -> str:
-    """`<family>-<hash>`: the hash covers this file (the builder), chat_corpus.py (the corpus), the parameters
-    and library versions."""
+    """`<family>-<hash>`: the hash covers the build's recipe and the library versions."""
     import tokenizers
     import torch
     import transformers
 
-    train = True if train is None else train
-    steps = default_steps(family) if steps is None else steps
-    h = hashlib.sha256(Path(__file__).read_bytes() + Path(chat_corpus.__file__).read_bytes())
-    params = {"family": family, "train": train, "steps": steps if train else 0, "seed": seed,
-              "versions": [torch.__version__, transformers.__version__, tokenizers.__version__]}
-    h.update(json.dumps(params, sort_keys=True).encode())
-    return f"{family}-{h.hexdigest()[:16]}"
+    params = build_recipe(family, train, steps, seed) | {
+        "versions": [torch.__version__, transformers.__version__, tokenizers.__version__]}
+    return f"{family}-{hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]}"
+
+
+def shipped_build(family: str, train: bool | None = None, steps: int | None = None, seed: int = 0) -> Path | None:
+    """The build kept in the repository for these parameters and this code, if there is one."""
+    shipped = SHIPPED / family
+    try:
+        recorded = json.loads((shipped / "build.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return shipped if recorded == build_recipe(family, train, steps, seed) else None
 
 
 @contextlib.contextmanager
@@ -373,8 +396,13 @@ def ensure_tiny_target(family: str = "llama", cache_root: str | os.PathLike | No
         if final.exists():  # incomplete (not made by this function): rebuild
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        shipped = shipped_build(family, train, steps, seed)
         try:
-            info = build_tiny_target(tmp, family=family, train=train, steps=steps, seed=seed, progress=progress)
+            if shipped is not None:  # the same recipe, built once and kept in the repository
+                shutil.copytree(shipped, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("build.json"))
+                info = {"build_seconds": 0.0}
+            else:
+                info = build_tiny_target(tmp, family=family, train=train, steps=steps, seed=seed, progress=progress)
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -383,8 +411,20 @@ def ensure_tiny_target(family: str = "llama", cache_root: str | os.PathLike | No
                 # Someone without the lock (another filesystem) won the race: keep theirs.
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"tiny target {family}: built {final} in {info['build_seconds']:.0f}s", file=sys.stderr)
+    how = f"copied the shipped build {shipped}" if shipped is not None else f"built in {info['build_seconds']:.0f}s"
+    print(f"tiny target {family}: {final}: {how}", file=sys.stderr)
     return final
+
+
+def ship(family: str) -> Path:
+    """Write the default build of `family` (from the cache, built there if needed) to SHIPPED/<family>/ with the
+    recipe it was built from (build.json)."""
+    built = ensure_tiny_target(family)
+    dest = SHIPPED / family
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(built, dest)
+    (dest / "build.json").write_text(json.dumps(build_recipe(family), indent=2) + "\n", encoding="utf-8")
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--out", help="build into this directory (always builds)")
     parser.add_argument("--print-path", action="store_true", help="build into the cache if needed and print its path")
+    parser.add_argument("--ship", action="store_true", help="write the default build to data/tiny-targets/ (commit it)")
     parser.add_argument("--cache-root", help="cache base directory (default: $EAGLE3_CACHE or ~/.cache/eagle3-pipeline)")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS}, deepseek_v3 {DEEPSEEK_STEPS})")
     parser.add_argument("--no-train", action="store_true", help="keep the random initialisation")
@@ -403,8 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         info = build_tiny_target(args.out, family=args.family, train=train, steps=args.steps, seed=args.seed)
         print(json.dumps(info))
         return 0
+    if args.ship:
+        print(ship(args.family))
+        return 0
     if not args.print_path:
-        parser.error("pass --out DIR or --print-path")
+        parser.error("pass --out DIR, --print-path or --ship")
     print(ensure_tiny_target(args.family, args.cache_root, train=train, steps=args.steps, seed=args.seed))
     return 0
 

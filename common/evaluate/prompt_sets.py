@@ -114,7 +114,7 @@ def _row_id(row: dict) -> Optional[str]:
 
 def context_check(cfg: Config) -> ContextCheck:
     """What decides whether the server takes a prompt: the target's tokenizer and server.max_model_len."""
-    from common.data.generate_tokenize import template_kwargs_of
+    from common.serving.chat import template_kwargs_of
     from common.target.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.model, cfg.target.trust_remote_code,

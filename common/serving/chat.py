@@ -110,6 +110,11 @@ def request_extra_body(g: GenerateConfig, return_token_ids: bool = False) -> dic
     return extra_body
 
 
+def template_kwargs_of(g: GenerateConfig) -> dict:
+    """The chat template's keyword arguments the requests carry (enable_thinking), for rendering them here too."""
+    return {} if g.enable_thinking is None else {"enable_thinking": g.enable_thinking}
+
+
 def chat_request(g: GenerateConfig, model: str, messages: list[dict], *, max_tokens: int, temperature: float,
                  top_p: Optional[float] = None, return_token_ids: bool = False) -> dict:
     """The keyword arguments of client.chat.completions.create: the one request body of every stage.

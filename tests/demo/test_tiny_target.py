@@ -14,10 +14,12 @@ import pytest
 from common.demo.chat_corpus import sample_prompt_rows
 from common.demo.tiny_target import (
     CHAT_TEMPLATE,
+    SHIPPED,
     SPECIAL_TOKENS,
     build_key,
     build_tiny_target,
     ensure_tiny_target,
+    shipped_build,
     training_conversations,
 )
 from tests.helpers import REPO, stage_env
@@ -175,6 +177,27 @@ def test_ensure_builds_once_and_reuses(tmp_path):
     assert ensure_tiny_target("deepseek_v3", cache_root=tmp_path, train=False, progress=False) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert build_key("llama") != build_key("llama", steps=5) != build_key("qwen3", steps=5)
+
+
+def test_the_shipped_llama_build_is_this_codes_default_build():
+    """data/tiny-targets/llama is the default build of the current builder and corpus (what ensure_tiny_target would
+    train for 1000 steps): an edit of tiny_target.py or chat_corpus.py must ship a new one."""
+    shipped = shipped_build("llama")
+    assert shipped is not None, ("data/tiny-targets/llama was built from other code: run `python -m common.demo.tiny_target "
+                                 "--family llama --ship` and commit data/tiny-targets/llama")
+    info = json.loads((shipped / "tiny_target_info.json").read_text())
+    assert info["family"] == "llama" and info["trained"] and info["steps"] == 1000 and info["final_loss"] < 0.3
+    assert json.loads((shipped / "config.json").read_text())["vocab_size"] == 2048
+    assert shipped_build("llama", steps=5) is None and shipped_build("qwen3") is None
+
+
+def test_ensure_takes_the_shipped_build_instead_of_training(tmp_path, capfd):
+    """A fresh cache gets the shipped llama build in a second (a build trains for minutes); its files as shipped."""
+    path = ensure_tiny_target("llama", cache_root=tmp_path, progress=False)
+    assert path == tmp_path / "tiny-targets" / build_key("llama")
+    assert "copied the shipped build" in capfd.readouterr().err
+    shipped = {f.name: f.read_bytes() for f in (SHIPPED / "llama").iterdir() if f.name != "build.json"}
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == shipped
 
 
 def test_racing_processes_share_one_build(tmp_path):
