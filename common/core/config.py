@@ -250,6 +250,9 @@ class EvaluateConfig:
     max_tokens: Annotated[int, Range(ge=1, le=2**24)] = 256
     temperature: Annotated[float, NonNegative] = 0.0
     concurrency: Annotated[int, Range(ge=1, le=16384)] = 16
+    # timed runs of each prompt set on each server (with and without the draft): tokens/s is their median, with
+    # their spread (one run of a few seconds varies by tens of percent on a shared machine)
+    throughput_repeats: Annotated[int, Range(ge=1, le=100)] = 3
     # a second prompt set of another kind than the training data (never a data.source): 05 measures it too, as
     # the prompt set named "other"
     other_prompts: Optional[str] = None

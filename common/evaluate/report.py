@@ -15,6 +15,7 @@ report["prompt_sets"][name] (`set_part` reads either).
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -77,6 +78,17 @@ def mismatch_examples(ids: list[str], with_draft: dict, without_draft: dict, lim
 # ----------------------------------------------------------------------------- building and writing the report
 
 
+def speedup(with_draft: list[float], without_draft: list[float]) -> dict:
+    """Tokens/s with the draft over without: the ratio of the medians, and the range the timed runs allow (slowest
+    with over fastest without, fastest over slowest: the two servers' runs are not paired)."""
+    if not min(without_draft, default=0):
+        return {"speedup": None}
+    ratio = statistics.median(with_draft) / statistics.median(without_draft)
+    low, high = min(with_draft) / max(without_draft), max(with_draft) / min(without_draft)
+    return {"speedup": round(ratio, 4), "speedup_range": [round(low, 4), round(high, 4)],
+            "verdict": "faster" if low > 1 else "slower" if high < 1 else "within the runs' spread"}
+
+
 def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: PromptRun, outputs_path: Path) -> dict:
     """One prompt set's part of the report: acceptance, throughput, outputs with vs without the draft
     (each prompt's both outputs written to outputs_path)."""
@@ -87,15 +99,11 @@ def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: 
          "without_draft": without_draft.get(p["id"]), "identical": p["id"] not in comparison["mismatched_ids"]}
         for p in prompts
     ))
-    tps_with, tps_without = measured.run.tokens_per_s, baseline.tokens_per_s
     return {
         "num_prompts": len(prompts),
         **measured.acceptance,
-        "throughput": {
-            "with_draft": measured.run.throughput(),
-            "without_draft": baseline.throughput(),
-            "speedup": round(tps_with / tps_without, 4) if tps_without else None,
-        },
+        "throughput": {"with_draft": measured.run.throughput(), "without_draft": baseline.throughput(),
+                       **speedup(measured.run.tokens_per_s_runs, baseline.tokens_per_s_runs)},
         "outputs": {
             **comparison,
             "greedy": cfg.evaluate.temperature == 0.0,
@@ -212,9 +220,13 @@ def set_summary(part: dict) -> str:
     """One prompt set's numbers: acceptance length, per-position acceptance, tokens/s speedup, identical outputs."""
     per_pos = "/".join(f"{r:.2f}" for r in part["per_position_acceptance"])
     line = f"acceptance length {part['acceptance_length']:.2f} (k={part['num_speculative_tokens']}) | per-position {per_pos}"
-    speedup = part["throughput"].get("speedup")
-    if speedup is not None:
-        line += f" | {speedup:.2f}x tokens/s"
+    tp = part["throughput"]
+    if tp.get("speedup") is not None:
+        line += f" | {tp['speedup']:.2f}x tokens/s"
+        if tp.get("speedup_range"):  # reports made before the timed repeats have none
+            runs = f"{len(tp['with_draft']['tokens_per_s_runs'])}+{len(tp['without_draft']['tokens_per_s_runs'])} runs"
+            low, high = tp["speedup_range"]
+            line += f" ({low:.2f}-{high:.2f} over {runs}{': the draft slows serving' if tp['verdict'] == 'slower' else ''})"
     o = part["outputs"]
     return line + f" | {o['identical']}/{o['compared']} outputs identical"
 

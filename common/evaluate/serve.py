@@ -3,7 +3,8 @@
 - `target_server`: the target with the cfg.server settings, with or without the draft
   (`speculative_config`: method eagle3, evaluate.num_speculative_tokens draft tokens).
 - `warm_up`, `run_prompts`: one untimed request, then a prompt set sent with evaluate's sampling
-  (evaluate.concurrency in flight) and timed: a `PromptRun`. The requests are common.serving.chat's,
+  (evaluate.concurrency in flight) and timed, evaluate.throughput_repeats times: a `PromptRun` (the first
+  run's outputs; tokens/s the median of the runs). The requests are common.serving.chat's,
   01b's client and request body: generate.extra_body and generate.enable_thinking reach them too.
 - `measure_with_draft`: target + draft, each prompt set between its own pair of /metrics scrapes;
   `acceptance_metrics` turns the counter delta into the report's numbers (the counter-delta method of
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -31,14 +33,17 @@ from common.serving.chat import chat_request, make_client, parse_completion, ser
 
 @dataclass
 class PromptRun:
-    """One prompt set sent to one server, timed. outputs: {prompt id: {"reasoning", "content",
-    "finish_reason", "usage", "latency_s"}} (+ vLLM's token ids with evaluate.replay_served), in prompt order."""
+    """One prompt set sent to one server, timed, evaluate.throughput_repeats times. outputs (of the first run):
+    {prompt id: {"reasoning", "content", "finish_reason", "usage", "latency_s"}} (+ vLLM's token ids with
+    evaluate.replay_served), in prompt order; wall_s and output_tokens: the first run's; tokens_per_s: the median
+    of tokens_per_s_runs, one per run."""
 
     model: str
     outputs: dict[str, dict]
     wall_s: float
     output_tokens: int
     tokens_per_s: float
+    tokens_per_s_runs: list[float]
 
     @classmethod
     def from_json(cls, doc: dict) -> PromptRun:
@@ -47,7 +52,9 @@ class PromptRun:
 
     def throughput(self) -> dict:
         """The report's throughput entry of this run."""
-        return {"output_tokens": self.output_tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s}
+        runs = self.tokens_per_s_runs
+        return {"output_tokens": self.output_tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_runs": runs, "tokens_per_s_range": [min(runs), max(runs)]}
 
 
 @dataclass
@@ -161,8 +168,17 @@ def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
                             f"{' '.join(str(e).split())[:200]}); it may have died: see its log under run_dir/logs/") from None
 
 
+def repeat_timing(cfg: Config, base_url: str, prompts: list[dict], run: PromptRun, desc: str) -> PromptRun:
+    """`run` after evaluate.throughput_repeats - 1 more timed runs of the same prompts: its tokens/s is then the
+    median of all (its outputs stay the first run's)."""
+    n = cfg.evaluate.throughput_repeats
+    rates = run.tokens_per_s_runs + [run_prompts(cfg, base_url, prompts, f"{desc}, timed run {i + 1}/{n}").tokens_per_s
+                                     for i in range(len(run.tokens_per_s_runs), n)]
+    return dataclasses.replace(run, tokens_per_s=round(statistics.median(rates), 2), tokens_per_s_runs=rates)
+
+
 def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "eval") -> PromptRun:
-    """Send every prompt (cfg.evaluate sampling, evaluate.concurrency in flight), timed."""
+    """Send every prompt (cfg.evaluate sampling, evaluate.concurrency in flight), timed: one run."""
     import openai
     from tqdm import tqdm
 
@@ -182,14 +198,16 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
                 ) from None
     wall = time.monotonic() - t0
     tokens = sum(int(o["usage"].get("completion_tokens", 0)) for o in outputs.values())
+    rate = round(tokens / wall, 2) if wall > 0 else 0.0
     return PromptRun(model=model, outputs={p["id"]: outputs[p["id"]] for p in prompts}, wall_s=round(wall, 3),
-                     output_tokens=tokens, tokens_per_s=round(tokens / wall, 2) if wall > 0 else 0.0)
+                     output_tokens=tokens, tokens_per_s=rate, tokens_per_s_runs=[rate])
 
 
 def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path,
                        log_name: str = "vllm_eval_draft", on_ready: Callable[[], None] = lambda: None) -> dict[str, DraftRun]:
-    """Target + draft: each prompt set between its own pair of /metrics scrapes. on_ready runs once the server
-    is up and answered its warm-up request (05 --overwrite deletes the previous outputs there)."""
+    """Target + draft: each prompt set between its own pair of /metrics scrapes (its first run: the outputs the
+    report compares and replays), then its further timed runs. on_ready runs once the server is up and answered
+    its warm-up request (05 --overwrite deletes the previous outputs there)."""
     from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
 
     k = cfg.evaluate.num_speculative_tokens
@@ -199,7 +217,9 @@ def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], 
         on_ready()
         for name, prompt_set in sets.items():
             before = spec_decode_metrics(scrape_metrics(server.base_url))
-            run = run_prompts(cfg, server.base_url, prompt_set.prompts, desc=f"target + draft (k={k}, {name})")
+            desc = f"target + draft (k={k}, {name})"
+            run = run_prompts(cfg, server.base_url, prompt_set.prompts, desc=desc)
             after = spec_decode_metrics(scrape_metrics(server.base_url))
+            run = repeat_timing(cfg, server.base_url, prompt_set.prompts, run, desc)
             measured[name] = DraftRun(run, acceptance_metrics(metrics_delta(after, before), k))
     return measured

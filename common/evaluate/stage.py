@@ -80,6 +80,7 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
         "target_dtype": cfg.target.dtype,
         "prompts_sha256": prompts_sha256(prompts),
         "sampling": serve.sampling_params(cfg),
+        "throughput_repeats": cfg.evaluate.throughput_repeats,
         "server": asdict(cfg.server) | {"port": None},
         # Every request carries generate.extra_body (common.serving.chat); keys made without one stay valid.
         **({"extra_body": cfg.generate.extra_body} if cfg.generate.extra_body else {}),
@@ -141,7 +142,8 @@ def missing_baselines(cfg: Config) -> list[str]:
 def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT) -> PromptRun:
     """Run the prompts on a server of the target alone and cache the result."""
     serve.warm_up(cfg, base_url, prompts)
-    run = serve.run_prompts(cfg, base_url, prompts, desc="target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})"))
+    desc = "target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})")
+    run = serve.repeat_timing(cfg, base_url, prompts, serve.run_prompts(cfg, base_url, prompts, desc=desc), desc)
     atomic_write_json(Layout.of(cfg).baseline_of(prompt_set), {"key": baseline_key(cfg, prompts), "created": time.time(), **asdict(run)})
     return run
 

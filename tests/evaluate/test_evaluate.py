@@ -212,7 +212,9 @@ def run_env(tmp_path, monkeypatch, chat_tokenizer_dir):
 
     cfg = config_from_dict({
         "run_dir": str(run), "target": {"model": str(target), "dtype": "float32"},
-        "evaluate": {"num_prompts": 4, "num_speculative_tokens": 3, "max_tokens": 64, "temperature": 0.0, "concurrency": 2},
+        # one timed run per set (the request counts below); test_throughput_is_the_median_of_repeated_runs: more
+        "evaluate": {"num_prompts": 4, "num_speculative_tokens": 3, "max_tokens": 64, "temperature": 0.0, "concurrency": 2,
+                     "throughput_repeats": 1},
     })
     env = RunEnv(cfg, run, final)
 
@@ -298,6 +300,48 @@ def test_baseline_only_on_a_running_server_is_reused(run_env, capsys):
     # A different sampling setting invalidates the cached baseline.
     cfg2 = config_from_dict({**cfg.to_dict(), "evaluate": {**cfg.to_dict()["evaluate"], "max_tokens": 32}})
     assert evaluate.cached_baseline(cfg2) is None
+
+
+def test_throughput_is_the_median_of_repeated_runs(run_env, capsys):
+    """One timed run of a few seconds varied by tens of percent (0.79x and 0.94x for one draft on one machine):
+    each server runs each set evaluate.throughput_repeats times; tokens/s is the median, with the runs and the
+    speedup's range in the report and the summary line. The acceptance counters cover the first run only."""
+    tree = run_env.cfg.to_dict()
+    cfg = config_from_dict({**tree, "evaluate": {**tree["evaluate"], "throughput_repeats": 3}})
+    assert evaluate.run_stage(cfg) == 0
+    with_draft, alone = (s["server"] for s in run_env.started)
+    assert len(with_draft.requests) == len(alone.requests) == 1 + 3 * 4  # warm-up + 3 runs of 4 prompts
+    report = json.loads((run_env.run / "eval" / "report.json").read_text())
+    tp = report["throughput"]
+    for side in ("with_draft", "without_draft"):
+        runs = tp[side]["tokens_per_s_runs"]
+        assert len(runs) == 3 and tp[side]["tokens_per_s"] == round(sorted(runs)[1], 2)
+        assert tp[side]["tokens_per_s_range"] == [min(runs), max(runs)]
+    assert tp["speedup"] == round(tp["with_draft"]["tokens_per_s"] / tp["without_draft"]["tokens_per_s"], 4)
+    low, high = tp["speedup_range"]
+    assert low <= tp["speedup"] <= high
+    assert f"x tokens/s ({low:.2f}-{high:.2f} over 3+3 runs" in capsys.readouterr().out
+    assert report["counters"]["num_drafts"] == 10 * 4  # the first run's window only (FakeVllm: 10 drafts a request)
+
+
+@pytest.mark.parametrize("with_draft, without_draft, verdict, said", [
+    ([60.0, 62.0, 70.0], [100.0, 98.0, 103.0], "slower", ": the draft slows serving"),
+    ([220.0, 210.0, 230.0], [100.0, 98.0, 103.0], "faster", ""),
+    ([90.0, 110.0, 100.0], [100.0, 95.0, 105.0], "within the runs' spread", ""),
+])
+def test_the_speedup_says_plainly_when_the_draft_slows_serving(with_draft, without_draft, verdict, said):
+    from common.evaluate.report import set_summary, speedup
+
+    part = speedup(with_draft, without_draft)
+    assert part["verdict"] == verdict
+    assert part["speedup"] == round(sorted(with_draft)[1] / sorted(without_draft)[1], 4)
+    assert part["speedup_range"] == [round(min(with_draft) / max(without_draft), 4), round(max(with_draft) / min(without_draft), 4)]
+    line = set_summary({"acceptance_length": 2.0, "num_speculative_tokens": 3, "per_position_acceptance": [0.5, 0.3, 0.2],
+                        "outputs": {"identical": 4, "compared": 4},
+                        "throughput": {"with_draft": {"tokens_per_s_runs": with_draft},
+                                       "without_draft": {"tokens_per_s_runs": without_draft}, **part}})
+    low, high = part["speedup_range"]
+    assert f"| {part['speedup']:.2f}x tokens/s ({low:.2f}-{high:.2f} over 3+3 runs{said}) |" in line
 
 
 def test_missing_draft_is_a_clear_error(run_env):
