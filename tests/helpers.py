@@ -397,8 +397,9 @@ class FakeVllm(LocalHttpServer):
     """An OpenAI-compatible chat server with vLLM-style spec-decode counters on /metrics.
 
     Reply to a prompt = "answer to <user text>" (so runs are comparable). With a draft, every
-    request adds 10 drafts, 30 draft tokens and 5+3+1 = 9 accepted tokens; `diverge` names user
-    texts whose reply changes with the draft (to check that mismatches are reported).
+    request adds 10 drafts, 30 draft tokens and 5+3+1 = 9 accepted tokens (`accepted_per_pos`: a subclass
+    varies them per request); `diverge` names user texts whose reply changes with the draft (to check that
+    mismatches are reported).
     """
 
     def __init__(self, with_draft: bool, diverge: tuple[str, ...] = (), die_on_chat: bool = False):
@@ -434,16 +435,20 @@ class FakeVllm(LocalHttpServer):
         with self.lock:
             self.requests.append(body)
             if self.with_draft:
-                c = self.counts
+                c, accepted = self.counts, self.accepted_per_pos(body)
                 c["drafts"] += 10
                 c["draft_tokens"] += 30
-                c["accepted"] += 9
-                c["pos"] = [c["pos"][0] + 5, c["pos"][1] + 3, c["pos"][2] + 1]
+                c["accepted"] += sum(accepted)
+                c["pos"] = [n + a for n, a in zip(c["pos"], accepted)]
         self.reply(request, 200, {
             "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": "tiny",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 7, "completion_tokens": n_tokens, "total_tokens": 7 + n_tokens},
         })
+
+    def accepted_per_pos(self, body: dict) -> list[int]:
+        """The accepted tokens per draft position that a request (its body) adds, of its 10 drafts."""
+        return [5, 3, 1]
 
     def metrics_text(self) -> str:
         if not self.with_draft:

@@ -2,8 +2,8 @@
 
 Every prompt set, one server per draft, the target-alone baselines shared with a plain run (and cached
 the same way). Written side by side under eval/compare/: report.json ({"acceptance_length": {set: {"a",
-"b", "b_minus_a"}}, "reports": {"a", "b"}: each draft's report as a plain run writes it}), report.png and
-each draft's outputs; eval/report.json is left as it is.
+"b", "b_minus_a"}}, "turn_2_acceptance_length" alike for the sets with a turn 2, "reports": {"a", "b"}: each
+draft's report as a plain run writes it}), report.png and each draft's outputs; eval/report.json is left as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from common.evaluate import serve
 from common.evaluate.draft import checked_draft
 from common.evaluate.prompt_sets import PromptSet, load_prompt_sets
 from common.evaluate.report import REPORT_VERSION, ReportFiles, build_report, print_lines, set_part, warn_mismatches
-from common.evaluate.stage import measure_or_reuse_baselines, prompts_sha256, report_key, stage_manifest
+from common.evaluate.stage import (baselines_before_draft, measure_or_reuse_baselines, prompts_sha256, report_key,
+                                   stage_manifest, turn_2_prompts)
 
 COMPARED = ("a", "b")  # the two drafts of --compare, in the order given
 
@@ -48,8 +49,10 @@ def run_compare(cfg: Config, dirs: list[str], overwrite: bool = False, base_url:
         manifest.record("already_complete")
         print_lines(compare_lines(read_json(path)), f"already complete ({path}): ", "; use --overwrite to redo")
         return 0
-    measured = {label: serve.measure_with_draft(cfg, layout, sets, d.path, f"vllm_compare_{label}") for label, d in drafts.items()}
-    baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url)
+    known = baselines_before_draft(cfg, layout, sets, base_url)  # both drafts' turn 2 sends the target-alone answers
+    measured = {label: serve.measure_with_draft(cfg, layout, sets, d.path, f"vllm_compare_{label}", second_turns=turn_2_prompts(known))
+                for label, d in drafts.items()}
+    baselines = measure_or_reuse_baselines(cfg, layout, sets, base_url, known)
     reports = {label: build_report(cfg, layout, sets, d, keys[label], measured[label], baselines, files[label])
                for label, d in drafts.items()}
     comparison = compare_report(cfg, sets, reports, keys, files)
@@ -69,9 +72,9 @@ def compare_report(cfg: Config, sets: dict[str, PromptSet], reports: dict[str, d
     def side_by_side(field: str) -> dict:
         return {name: {label: set_part(r, name)[field] for label, r in reports.items()} for name in sets}
 
-    acceptance = side_by_side("acceptance_length")
-    for name, values in acceptance.items():
-        values["b_minus_a"] = values["b"] - values["a"]
+    acceptance = with_difference(side_by_side("acceptance_length"))
+    turn_2 = with_difference({name: {label: set_part(r, name)["turn_2"].get("acceptance_length") for label, r in reports.items()}
+                              for name in sets if "turn_2" in set_part(reports["a"], name)})
     return {
         "version": REPORT_VERSION,
         "complete": True,
@@ -84,6 +87,7 @@ def compare_report(cfg: Config, sets: dict[str, PromptSet], reports: dict[str, d
         "prompt_sets": {name: {"num_prompts": len(s.prompts), "prompts_sha256": prompts_sha256(s.prompts), **s.describe()}
                         for name, s in sets.items()},
         "acceptance_length": acceptance,
+        **({"turn_2_acceptance_length": turn_2} if turn_2 else {}),
         "per_position_acceptance": side_by_side("per_position_acceptance"),
         "speedup": {name: {label: set_part(r, name)["throughput"]["speedup"] for label, r in reports.items()} for name in sets},
         "reports": reports,
@@ -91,6 +95,13 @@ def compare_report(cfg: Config, sets: dict[str, PromptSet], reports: dict[str, d
                   "outputs": {label: {name: str(f.outputs_of(name)) for name in sets} for label, f in files.items()}},
         "created": time.time(),
     }
+
+
+def with_difference(side_by_side: dict[str, dict]) -> dict[str, dict]:
+    """{set: {"a", "b"}} + "b_minus_a" (None where a side has no number: a turn 2 with no prompt left)."""
+    for values in side_by_side.values():
+        values["b_minus_a"] = None if None in (values["a"], values["b"]) else values["b"] - values["a"]
+    return side_by_side
 
 
 def compare_lines(comparison: dict) -> list[str]:
@@ -107,4 +118,9 @@ def compare_lines(comparison: dict) -> list[str]:
         tps = ", ".join(f"{label} {speedup[label]:.2f}x" for label in COMPARED if speedup[label] is not None)
         lines.append(f"{name} ({comparison['prompt_sets'][name]['num_prompts']} prompts): acceptance length a {al['a']:.2f} | "
                      f"b {al['b']:.2f} | b - a {al['b_minus_a']:+.2f}" + (f" | tokens/s vs the target alone: {tps}" if tps else ""))
+        turn_2 = (comparison.get("turn_2_acceptance_length") or {}).get(name)
+        if turn_2 and turn_2["b_minus_a"] is not None:
+            num = set_part(comparison["reports"]["a"], name)["turn_2"]["num_prompts"]
+            lines.append(f"{name} turn 2 ({num} prompts): acceptance length a {turn_2['a']:.2f} | b {turn_2['b']:.2f} | "
+                         f"b - a {turn_2['b_minus_a']:+.2f}")
     return lines

@@ -4,7 +4,7 @@
     plot_compare(comparison, "run/eval/compare/report.png")          # 05 --compare
 
 plot_report, top left: per-position acceptance rate measured in vLLM, one group of bars per prompt set
-(the held-out prompts, then evaluate.other_prompts and evaluate.prompt_sets), next to the offline
+(the held-out prompts, then evaluate.other_prompts and evaluate.prompt_sets, each set's turn 2 after it), next to the offline
 prediction (04's replay of vLLM's rounds, common.model.acceptance). Top right: output tokens/s per set
 with and without the draft. Bottom: training loss, and per-step accuracy over training.
 plot_compare: acceptance length per set for both drafts, their per-position acceptance, and their
@@ -94,7 +94,9 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     offline = _offline_per_position(report)
     series = [(f"vLLM, held-out (AL {report['acceptance_length']:.2f})" if isinstance(report.get("acceptance_length"), (int, float))
                else "vLLM, held-out", rates, _color(0))]
-    for i, (name, part) in enumerate(_prompt_sets(report).items(), start=2):
+    turns = [(label, p) for name, part in _prompt_sets(report).items()
+             for label, p in ((name, part), (f"{name} turn 2", part.get("turn_2") or {}))]
+    for i, (name, part) in enumerate(turns, start=2):
         if part.get("per_position_acceptance"):
             series.append((f"vLLM, {name} (AL {part['acceptance_length']:.2f})", part["per_position_acceptance"], _color(i)))
     if offline:

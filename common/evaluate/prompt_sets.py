@@ -1,20 +1,25 @@
 """05's prompt sets: the held-out prompts of the run, evaluate.other_prompts, and evaluate.prompt_sets.
 
 A prompt set is read with 01's reader (common.core.sources: a local .json/.jsonl/.parquet file or a
-directory of them, or a `datasets` hub name) in the shapes benchmarks publish, and 05 sends each row's
-first user turn (what the held-out set sends too: the later turns would need the target's own answers):
+directory of them, or a `datasets` hub name) in the shapes benchmarks publish. Each row's first user turn
+is its prompt ("messages", what the held-out set sends too):
 
     messages / conversations   chat rows (OpenAI, ShareGPT): the system turn and the first user turn
-    turns                      MT-bench (FastChat's question.jsonl): the first turn
-    prompt                     HumanEval, plain prompts; a list of turns (HuggingFaceH4/mt_bench_prompts): the first
+    turns                      MT-bench (FastChat's question.jsonl): the first turn; the later ones kept
+    prompt                     HumanEval, plain prompts; a list of turns (HuggingFaceH4/mt_bench_prompts): as turns
     question                   GSM8K
     problem                    MATH, MATH500
     text                       plain text
 
+A row given as a list of turns keeps its later user turns ("later_turns"): 05 sends the second one with the
+target's own answer to the first (`second_turn_prompts`, once the target-alone run answered it). A row's
+`category` (MT-bench's) is kept too: 05 measures acceptance per category.
+
 A row of none of these shapes is counted (report: "rows_skipped", by reason), not an error; a set with
 no usable row is. So is a prompt the server cannot take (server.max_model_len tokens or more as the chat
-template renders it: vLLM would answer 400): counted as over_max_model_len, before any request. Every set but the held-out one measures prompts the draft was not trained on, so a
-set that shares a prompt with the training split is refused.
+template renders it: vLLM would answer 400): counted as over_max_model_len, before any request (turn 2, whose
+prompt holds the target's answer, is checked when it is built). Every set but the held-out one measures
+prompts the draft was not trained on, so a set that shares a prompt with the training split is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ SHAPES = ("messages or conversations with a user turn, turns (MT-bench), prompt 
 
 @dataclass
 class PromptSet:
-    """One set of prompts 05 measures: {"id", "messages"} rows, and where they came from."""
+    """One set of prompts 05 measures, and where they came from: {"id", "messages"} rows (system? + the first user
+    turn), + "later_turns" (the user turns after it, when the row has any) and "category" (when the row has one)."""
 
     name: str
     key: str  # the config key that names it, for the messages
@@ -73,33 +79,52 @@ def first_user_turn(row: dict) -> list[dict]:
     return messages if messages and messages[-1]["role"] == "user" else []
 
 
-def benchmark_messages(row: Any) -> tuple[Optional[list[dict]], str]:
-    """A benchmark row's prompt as messages (system? + the first user turn) and "", or (None, why not)."""
+def benchmark_prompt(row: Any) -> tuple[Optional[dict], str]:
+    """A benchmark row's prompt and "", or (None, why not): {"messages": system? + the first user turn}, + its
+    "later_turns" (a row given as a list of turns) and "category" where the row has them."""
     if not isinstance(row, dict):
         return None, "bad_fields"
     if row.get("messages") is not None or row.get("conversations") is not None:
-        return _chat_prompt(row)
+        return _chat_prompt(row, row)
     value = next((row[f] for f in PROMPT_FIELDS if row.get(f) is not None), None)
     if isinstance(value, list) and value and isinstance(value[0], dict):  # a prompt given as chat messages
-        return _chat_prompt({"messages": value})
-    if isinstance(value, list):  # MT-bench's turns: the first one
-        value = value[0] if value else ""
+        return _chat_prompt({"messages": value}, row)
+    later = []
+    if isinstance(value, list):  # MT-bench's turns: the first one is the prompt
+        value, later = (value[0], _later_turns(value[1:])) if value else ("", [])
     if value is None:
         return None, "no_prompt_field"
     if not isinstance(value, str):
         return None, "bad_fields"
     if not value.strip():
         return None, "empty"
-    return [{"role": "user", "content": value}], ""
+    return _with_category({"messages": [{"role": "user", "content": value}], **({"later_turns": later} if later else {})}, row), ""
 
 
-def _chat_prompt(row: dict) -> tuple[Optional[list[dict]], str]:
-    """A chat row's system turn and first user turn, by 01's rules (common.core.sources)."""
+def _later_turns(turns: list) -> list[str]:
+    """The later user turns up to the first that is not a non-empty text (a conversation cannot skip a turn)."""
+    kept = []
+    for turn in turns:
+        if not isinstance(turn, str) or not turn.strip():
+            break
+        kept.append(turn)
+    return kept
+
+
+def _with_category(prompt: dict, row: dict) -> dict:
+    category = row.get("category")
+    if isinstance(category, (str, int)) and not isinstance(category, bool) and str(category).strip():
+        prompt["category"] = str(category).strip()
+    return prompt
+
+
+def _chat_prompt(chat: dict, row: dict) -> tuple[Optional[dict], str]:
+    """A chat's system turn and first user turn, by 01's rules (common.core.sources), with the row's category."""
     try:
-        kept, reason = keep_prompt(row_messages(row), None, 1)
+        kept, reason = keep_prompt(row_messages(chat), None, 1)
     except BadFields:
         return None, "bad_fields"
-    return kept, reason or ""
+    return (_with_category({"messages": kept}, row), "") if kept else (None, reason or "")
 
 
 def _row_id(row: dict) -> Optional[str]:
@@ -136,14 +161,14 @@ def read_prompt_set(name: str, key: str, spec: dict, limit: int, check: Optional
     rows, skipped, first_skipped, n_read = [], Counter(), None, 0
     for where, row, reason, _ in iter_source(spec["source"], spec["subset"], spec["split"], key):
         n_read += 1
-        messages, reason = (None, reason) if reason else benchmark_messages(row)
-        if messages is not None and check is not None and (too_long := check.reason(messages)):
-            messages, reason = None, too_long
-        if messages is None:
+        prompt, reason = (None, reason) if reason else benchmark_prompt(row)
+        if prompt is not None and check is not None and (too_long := check.reason(prompt["messages"])):
+            prompt, reason = None, too_long
+        if prompt is None:
             skipped[reason] += 1
             first_skipped = first_skipped or f"{where} ({reason})"
             continue
-        rows.append((n_read, _row_id(row), messages))
+        rows.append((n_read, _row_id(row), prompt))
         if len(rows) >= limit:
             break
     if not rows:
@@ -151,7 +176,7 @@ def read_prompt_set(name: str, key: str, spec: dict, limit: int, check: Optional
     ids = [rid for _, rid, _ in rows]
     if None in ids or len(set(ids)) < len(ids):
         ids = [f"{name}-{n}" for n, _, _ in rows]
-    return PromptSet(name, key, spec["source"], [{"id": i, "messages": m} for i, (_, _, m) in zip(ids, rows)], n_read,
+    return PromptSet(name, key, spec["source"], [{"id": i, **p} for i, (_, _, p) in zip(ids, rows)], n_read,
                      dict(skipped), first_skipped)
 
 
@@ -214,6 +239,27 @@ def say_left_out(sets: dict[str, PromptSet]) -> None:
         if n:
             print(f"05_evaluate: prompt set {name} ({s.key}): left out {n} prompt(s) the server cannot take "
                   f"({', '.join(f'{k} {v}' for k, v in s.rows_skipped.items())}); measuring {len(s.prompts)}", flush=True)
+
+
+def has_later_turns(prompts: list[dict]) -> bool:
+    return any(p.get("later_turns") for p in prompts)
+
+
+def second_turn_prompts(prompts: list[dict], answers: dict[str, str], check: ContextCheck) -> tuple[list[dict], dict]:
+    """Turn 2 of every prompt with a later turn: its first turn, the target's own answer to it (answers: {id:
+    content}, the target-alone run's), then its second user turn; (those prompts, {reason: count} of the ones left
+    out: too long for the server with the answer)."""
+    kept, left_out = [], Counter()
+    for p in prompts:
+        if not p.get("later_turns"):
+            continue
+        messages = [*p["messages"], {"role": "assistant", "content": answers[p["id"]] or ""},
+                    {"role": "user", "content": p["later_turns"][0]}]
+        if too_long := check.reason(messages):
+            left_out[too_long] += 1
+        else:
+            kept.append({"id": p["id"], "messages": messages, **({"category": p["category"]} if "category" in p else {})})
+    return kept, dict(left_out)
 
 
 def check_sets_before_training(cfg: Config, rows: list[dict]) -> None:

@@ -7,10 +7,12 @@
   token ids vLLM served (the same text on both sides: it checks the replay itself).
 - `write_report`: the plot (common.evaluate.plots), then report.json; a warning per set whose greedy
   outputs differ.
-- `summary_lines`: the held-out set's line (with the prediction), then one line per prompt set.
+- `summary_lines`: the held-out set's line (with the prediction), then one line per prompt set, + for a set
+  with later turns a line for its turn 2, and for a set with categories one listing them.
 
 The held-out prompts' numbers are the report's top level; every other set's are under
-report["prompt_sets"][name] (`set_part` reads either).
+report["prompt_sets"][name] (`set_part` reads either). A set's part keeps its turn-1 numbers at its top
+level; "turn_2" and "categories" are beside them only where the set has later turns or categories.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from common.core.io import atomic_write_json, write_jsonl_atomic
 from common.core.run_folder import HELD_OUT, OTHER, Layout
 from common.evaluate.draft import CheckedDraft, draft_fingerprint
 from common.evaluate.prompt_sets import PromptSet
-from common.evaluate.serve import DraftRun, PromptRun, sampling_params
+from common.evaluate.serve import Baseline, DraftRun, SecondTurn, sampling_params
 
 REPORT_VERSION = 1
 
@@ -89,33 +91,75 @@ def speedup(with_draft: list[float], without_draft: list[float]) -> dict:
             "verdict": "faster" if low > 1 else "slower" if high < 1 else "within the runs' spread"}
 
 
-def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: PromptRun, outputs_path: Path) -> dict:
-    """One prompt set's part of the report: acceptance, throughput, outputs with vs without the draft
-    (each prompt's both outputs written to outputs_path)."""
-    with_draft, without_draft = measured.run.outputs, baseline.outputs
+def outputs_part(cfg: Config, with_draft: dict[str, dict], without_draft: dict[str, dict]) -> dict:
+    """A turn's "outputs": how many agree with and without the draft, and where the first mismatches diverge."""
     comparison = compare_outputs(with_draft, without_draft)
-    write_jsonl_atomic(outputs_path, (
-        {"id": p["id"], "messages": p["messages"], "with_draft": with_draft[p["id"]],
-         "without_draft": without_draft.get(p["id"]), "identical": p["id"] not in comparison["mismatched_ids"]}
-        for p in prompts
-    ))
     return {
-        "num_prompts": len(prompts),
-        **measured.acceptance,
-        "throughput": {"with_draft": measured.run.throughput(), "without_draft": baseline.throughput(),
-                       **speedup(measured.run.tokens_per_s_runs, baseline.tokens_per_s_runs)},
-        "outputs": {
-            **comparison,
-            "greedy": cfg.evaluate.temperature == 0.0,
-            # At temperature 0 speculative decoding must not change the text.
-            "all_identical": comparison["identical"] == comparison["compared"],
-            "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft, without_draft),
-        },
+        **comparison,
+        "greedy": cfg.evaluate.temperature == 0.0,
+        # At temperature 0 speculative decoding must not change the text.
+        "all_identical": comparison["identical"] == comparison["compared"],
+        "mismatch_examples": mismatch_examples(comparison["mismatched_ids"], with_draft, without_draft),
     }
 
 
+def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: Baseline, outputs_path: Path) -> dict:
+    """One prompt set's part of the report: acceptance, throughput, outputs with vs without the draft (each prompt's
+    both outputs written to outputs_path, its turn 2's beside them), + its turn 2 and its categories where it has them."""
+    outputs = outputs_part(cfg, measured.run.outputs, baseline.run.outputs)
+    turn_2 = turn_2_results(cfg, measured.turn_2, baseline.turn_2)
+    write_outputs(outputs_path, prompts, measured, baseline, outputs, turn_2)
+    return {
+        "num_prompts": len(prompts),
+        **measured.acceptance,
+        "throughput": {"with_draft": measured.run.throughput(), "without_draft": baseline.run.throughput(),
+                       **speedup(measured.run.tokens_per_s_runs, baseline.run.tokens_per_s_runs)},
+        "outputs": outputs,
+        **({"turn_2": turn_2} if turn_2 else {}),
+        **({"categories": category_results(measured)} if measured.categories else {}),
+    }
+
+
+def turn_2_results(cfg: Config, measured: Optional[DraftRun], baseline: Optional[SecondTurn]) -> Optional[dict]:
+    """A set's "turn_2" (None for a set without later turns): its acceptance, its prompts and those left out (too
+    long with the answer), and its outputs with vs without the draft; no acceptance when no prompt was left."""
+    if baseline is None:
+        return None
+    left_out = {"left_out": baseline.left_out} if baseline.left_out else {}
+    if measured is None:
+        return {"num_prompts": 0, **left_out}
+    return {"num_prompts": len(baseline.prompts), **measured.acceptance, **left_out,
+            "outputs": outputs_part(cfg, measured.run.outputs, baseline.run.outputs)}
+
+
+def category_results(measured: DraftRun) -> dict:
+    """{category: {"turn_1": numbers of its window, "turn_2": those of its turn-2 window (where it has one)}}."""
+    parts = {category: {"turn_1": numbers} for category, numbers in measured.categories.items()}
+    for category, numbers in (measured.turn_2.categories if measured.turn_2 else {}).items():
+        parts.setdefault(category, {})["turn_2"] = numbers
+    return parts
+
+
+def write_outputs(path: Path, prompts: list[dict], measured: DraftRun, baseline: Baseline, outputs: dict,
+                  turn_2: Optional[dict]) -> None:
+    """Each prompt's outputs with and without the draft; a prompt sent as turn 2 also has that conversation's."""
+    second = {p["id"]: p["messages"] for p in (baseline.turn_2.prompts if baseline.turn_2 else [])}
+    mismatched_2 = set(((turn_2 or {}).get("outputs") or {}).get("mismatched_ids", []))
+
+    def row(p: dict) -> dict:
+        pid = p["id"]
+        out = {"id": pid, "messages": p["messages"], "with_draft": measured.run.outputs[pid],
+               "without_draft": baseline.run.outputs.get(pid), "identical": pid not in outputs["mismatched_ids"]}
+        if pid in second and measured.turn_2:
+            out["turn_2"] = {"messages": second[pid], "with_draft": measured.turn_2.run.outputs[pid],
+                             "without_draft": baseline.turn_2.run.outputs.get(pid), "identical": pid not in mismatched_2}
+        return out
+
+    write_jsonl_atomic(path, (row(p) for p in prompts))
+
+
 def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: CheckedDraft, key: dict,
-                 measured: dict[str, DraftRun], baselines: dict[str, PromptRun], files: ReportFiles) -> dict:
+                 measured: dict[str, DraftRun], baselines: dict[str, Baseline], files: ReportFiles) -> dict:
     """One draft's report.json: the held-out set's numbers at the top level, the other sets' under "prompt_sets"."""
     results = {name: set_results(cfg, s.prompts, measured[name], baselines[name], files.outputs_of(name))
                for name, s in sets.items()}
@@ -184,13 +228,13 @@ def write_report(layout: Layout, report: dict, files: ReportFiles) -> None:
 
 
 def warn_mismatches(report: dict, path: Path) -> None:
-    """A warning per prompt set whose greedy outputs differ with and without the draft."""
+    """A warning per prompt set (and turn 2) whose greedy outputs differ with and without the draft."""
     for name, part in ((HELD_OUT, report), *measured_sets(report).items()):
-        o = part["outputs"]
-        if o["greedy"] and o["identical"] != o["compared"]:
-            print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({name} "
-                  f"prompts, draft {report['draft']}) differ with and without the draft (see 'mismatch_examples' in {path})",
-                  file=sys.stderr)
+        for what, o in ((name, part["outputs"]), (f"{name} turn 2", (part.get("turn_2") or {}).get("outputs"))):
+            if o and o["greedy"] and o["identical"] != o["compared"]:
+                print(f"05_evaluate: WARNING: at temperature 0, {len(o['mismatched_ids'])} of {o['compared']} outputs ({what} "
+                      f"prompts, draft {report['draft']}) differ with and without the draft (see 'mismatch_examples' in {path})",
+                      file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- reading a report back
@@ -220,7 +264,7 @@ def set_summary(part: dict) -> str:
     """One prompt set's numbers: acceptance length, per-position acceptance, tokens/s speedup, identical outputs."""
     per_pos = "/".join(f"{r:.2f}" for r in part["per_position_acceptance"])
     line = f"acceptance length {part['acceptance_length']:.2f} (k={part['num_speculative_tokens']}) | per-position {per_pos}"
-    tp = part["throughput"]
+    tp = part.get("throughput") or {}  # turn 2 is not timed
     if tp.get("speedup") is not None:
         line += f" | {tp['speedup']:.2f}x tokens/s"
         if tp.get("speedup_range"):  # reports made before the timed repeats have none
@@ -250,7 +294,34 @@ def summary_lines(report: dict) -> list[str]:
         skipped = sum((part.get("rows_skipped") or {}).values())
         lines.append(f"prompt set {name} ({part['num_prompts']} prompts{f', {skipped} rows skipped' if skipped else ''}): "
                      f"{set_summary(part)}")
+        lines += turn_2_lines(name, part.get("turn_2")) + category_lines(name, part.get("categories"))
     return lines
+
+
+def turn_2_lines(name: str, turn_2: Optional[dict]) -> list[str]:
+    """A set's turn-2 line (none for a set without later turns)."""
+    if not turn_2:
+        return []
+    left = turn_2.get("left_out") or {}
+    left_out = f", {sum(left.values())} left out: {', '.join(f'{k} {v}' for k, v in left.items())}" if left else ""
+    if not turn_2["num_prompts"]:
+        return [f"prompt set {name} turn 2 (no prompt{left_out}): not measured"]
+    return [f"prompt set {name} turn 2 ({turn_2['num_prompts']} prompts{left_out}): {set_summary(turn_2)}"]
+
+
+def category_lines(name: str, categories: Optional[dict]) -> list[str]:
+    """One line listing a set's categories with their acceptance lengths (turn 1 / turn 2)."""
+    if not categories:
+        return []
+
+    def al(part: Optional[dict]) -> str:
+        value = (part or {}).get("acceptance_length")
+        return "-" if value is None else f"{value:.2f}"
+
+    with_turn_2 = any("turn_2" in c for c in categories.values())
+    listed = ", ".join(f"{category} {al(c.get('turn_1'))}" + (f"/{al(c.get('turn_2'))}" if with_turn_2 else "")
+                       for category, c in categories.items())
+    return [f"prompt set {name} per category, acceptance length{' turn 1/turn 2' if with_turn_2 else ''}: {listed}"]
 
 
 def print_lines(lines: list[str], before: str, after: str) -> None:

@@ -2,13 +2,15 @@
 
 - `target_server`: the target with the cfg.server settings, with or without the draft
   (`speculative_config`: method eagle3, evaluate.num_speculative_tokens draft tokens).
-- `warm_up`, `run_prompts`: one untimed request, then a prompt set sent with evaluate's sampling
-  (evaluate.concurrency in flight) and timed, evaluate.throughput_repeats times: a `PromptRun` (the first
-  run's outputs; tokens/s the median of the runs). The requests are common.serving.chat's,
-  01b's client and request body: generate.extra_body and generate.enable_thinking reach them too.
-- `measure_with_draft`: target + draft, each prompt set between its own pair of /metrics scrapes;
-  `acceptance_metrics` turns the counter delta into the report's numbers (the counter-delta method of
-  `vllm bench serve` and speculators' evaluate.py).
+- `warm_up`, `send_set`: one untimed request, then a prompt set sent with evaluate's sampling
+  (evaluate.concurrency in flight; a set whose rows have categories, category by category) and timed,
+  evaluate.throughput_repeats times: a `PromptRun` (the first run's outputs; tokens/s the median of the runs).
+  The requests are common.serving.chat's, 01b's client and request body: generate.extra_body and
+  generate.enable_thinking reach them too.
+- `measure_with_draft`: target + draft, each prompt set between its own /metrics scrapes, a pair per category
+  (the set's numbers: the sum of its windows' deltas), then its turn 2 (the prompts the target-alone run built,
+  `Baseline.turn_2`) in windows of its own; `acceptance_metrics` turns a counter delta into the report's numbers
+  (the counter-delta method of `vllm bench serve` and speculators' evaluate.py).
 
 The tests swap `target_server` and `_chat` for fakes: this module calls both by their names here.
 """
@@ -19,8 +21,9 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -59,10 +62,43 @@ class PromptRun:
 
 @dataclass
 class DraftRun:
-    """One prompt set on the target + draft: the timed run and acceptance_metrics' numbers for its window."""
+    """One prompt set (or its turn 2) on the target + draft: the timed run, acceptance_metrics' numbers for its
+    windows (the sum of their counter deltas), each category's numbers from its own window, and the set's turn 2."""
 
     run: PromptRun
     acceptance: dict
+    categories: dict[str, dict] = field(default_factory=dict)
+    turn_2: Optional[DraftRun] = None
+
+
+@dataclass
+class SecondTurn:
+    """A set's turn 2 on the target alone: the prompts built from its own turn-1 answers (what both servers send), the
+    ones left out ({reason: count}: too long for the server with the answer), and their run (None when none is left)."""
+
+    prompts: list[dict]
+    left_out: dict
+    run: Optional[PromptRun]
+
+
+@dataclass
+class Baseline:
+    """A prompt set on the target alone: turn 1, timed evaluate.throughput_repeats times, and, for a set with later
+    turns, turn 2."""
+
+    run: PromptRun
+    turn_2: Optional[SecondTurn] = None
+
+    def to_json(self) -> dict:
+        """Its entries in the cache file: turn 1's at the top level (where files made before turn 2 keep them)."""
+        t = self.turn_2
+        return {**asdict(self.run),
+                **({"turn_2": {"prompts": t.prompts, "left_out": t.left_out, "run": t.run and asdict(t.run)}} if t else {})}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Baseline:
+        t = doc.get("turn_2")
+        return cls(PromptRun.from_json(doc), t and SecondTurn(t["prompts"], t["left_out"], t["run"] and PromptRun.from_json(t["run"])))
 
 
 def sampling_params(cfg: Config) -> dict:
@@ -89,19 +125,42 @@ def acceptance_metrics(delta: dict, num_speculative_tokens: int) -> dict:
         )
     if min(drafts, delta["num_draft_tokens"], delta["num_accepted_tokens"], *delta["num_accepted_tokens_per_pos"].values()) < 0:
         raise PipelineError("vLLM's spec-decode counters went down between two scrapes (did the server restart?); rerun 05_evaluate.py")
-    per_pos = [float(delta["num_accepted_tokens_per_pos"].get(i, 0.0)) for i in range(num_speculative_tokens)]
+    per_pos = _per_position(delta, num_speculative_tokens)
     return {
         "acceptance_length": 1.0 + delta["num_accepted_tokens"] / drafts,
         "per_position_acceptance": [v / drafts for v in per_pos],
         "draft_acceptance_rate": delta["num_accepted_tokens"] / delta["num_draft_tokens"] if delta["num_draft_tokens"] else 0.0,
         "num_speculative_tokens": num_speculative_tokens,
-        "counters": {
-            "num_drafts": int(round(drafts)),
-            "num_draft_tokens": int(round(delta["num_draft_tokens"])),
-            "num_accepted_tokens": int(round(delta["num_accepted_tokens"])),
-            "num_accepted_tokens_per_pos": [int(round(v)) for v in per_pos],
-        },
+        "counters": _counters(delta, num_speculative_tokens),
     }
+
+
+def _per_position(delta: dict, num_speculative_tokens: int) -> list[float]:
+    return [float(delta["num_accepted_tokens_per_pos"].get(i, 0.0)) for i in range(num_speculative_tokens)]
+
+
+def _counters(delta: dict, num_speculative_tokens: int) -> dict:
+    return {"num_drafts": int(round(delta["num_drafts"])), "num_draft_tokens": int(round(delta["num_draft_tokens"])),
+            "num_accepted_tokens": int(round(delta["num_accepted_tokens"])),
+            "num_accepted_tokens_per_pos": [int(round(v)) for v in _per_position(delta, num_speculative_tokens)]}
+
+
+def category_acceptance(delta: dict, num_speculative_tokens: int) -> dict:
+    """A category's numbers from its own window. A window without drafts (every answer a token or two) has no
+    acceptance length, and is no error: its set's windows together may still have drafts."""
+    if delta["num_drafts"] == 0:
+        return {"acceptance_length": None, "per_position_acceptance": None, "counters": _counters(delta, num_speculative_tokens)}
+    acceptance = acceptance_metrics(delta, num_speculative_tokens)
+    return {key: acceptance[key] for key in ("acceptance_length", "per_position_acceptance", "counters")}
+
+
+def summed(deltas: list[dict]) -> dict:
+    """The counter delta of several windows together."""
+    per_pos: Counter = Counter()
+    for d in deltas:
+        per_pos.update(d["num_accepted_tokens_per_pos"])
+    return {**{key: sum(d[key] for d in deltas) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+            "num_accepted_tokens_per_pos": dict(per_pos)}
 
 
 # ----------------------------------------------------------------------------- servers
@@ -172,7 +231,7 @@ def repeat_timing(cfg: Config, base_url: str, prompts: list[dict], run: PromptRu
     """`run` after evaluate.throughput_repeats - 1 more timed runs of the same prompts: its tokens/s is then the
     median of all (its outputs stay the first run's)."""
     n = cfg.evaluate.throughput_repeats
-    rates = run.tokens_per_s_runs + [run_prompts(cfg, base_url, prompts, f"{desc}, timed run {i + 1}/{n}").tokens_per_s
+    rates = run.tokens_per_s_runs + [send_set(cfg, base_url, prompts, f"{desc}, timed run {i + 1}/{n}")[0].tokens_per_s
                                      for i in range(len(run.tokens_per_s_runs), n)]
     return dataclasses.replace(run, tokens_per_s=round(statistics.median(rates), 2), tokens_per_s_runs=rates)
 
@@ -203,23 +262,71 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
                      output_tokens=tokens, tokens_per_s=rate, tokens_per_s_runs=[rate])
 
 
-def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path,
-                       log_name: str = "vllm_eval_draft", on_ready: Callable[[], None] = lambda: None) -> dict[str, DraftRun]:
-    """Target + draft: each prompt set between its own pair of /metrics scrapes (its first run: the outputs the
-    report compares and replays), then its further timed runs. on_ready runs once the server is up and answered
-    its warm-up request (05 --overwrite deletes the previous outputs there)."""
-    from common.serving.vllm_server import metrics_delta, scrape_metrics, spec_decode_metrics
+def categories_of(prompts: list[dict]) -> dict[Optional[str], list[dict]]:
+    """A set's prompts by category, the categories in the order they first come (rows without one: None)."""
+    groups: dict[Optional[str], list[dict]] = {}
+    for p in prompts:
+        groups.setdefault(p.get("category"), []).append(p)
+    return groups
 
+
+def send_set(cfg: Config, base_url: str, prompts: list[dict], desc: str,
+             scrape: Optional[Callable[[], dict]] = None) -> tuple[PromptRun, dict[Optional[str], dict]]:
+    """One timed run of a set, sent category by category (evaluate.concurrency in flight within a category; a set
+    without categories at once): every run of a set, on either server, has this shape, so their tokens/s compare.
+    With scrape (the draft's server: its spec-decode counters), also each category's counter delta: acceptance per
+    category needs a window of its own."""
+    from common.serving.vllm_server import metrics_delta
+
+    runs, deltas = [], {}
+    for category, group in categories_of(prompts).items():
+        before = scrape() if scrape else None
+        runs.append(run_prompts(cfg, base_url, group, desc if category is None else f"{desc}, {category}"))
+        if scrape:
+            deltas[category] = metrics_delta(scrape(), before)
+    return joined(runs, prompts), deltas
+
+
+def joined(runs: list[PromptRun], prompts: list[dict]) -> PromptRun:
+    """The runs of a set's windows as one run of the set: its outputs in prompt order, tokens/s over the windows' time."""
+    if len(runs) == 1:
+        return runs[0]
+    outputs = {pid: o for r in runs for pid, o in r.outputs.items()}
+    wall, tokens = round(sum(r.wall_s for r in runs), 3), sum(r.output_tokens for r in runs)
+    rate = round(tokens / wall, 2) if wall > 0 else 0.0
+    return PromptRun(model=runs[0].model, outputs={p["id"]: outputs[p["id"]] for p in prompts}, wall_s=wall,
+                     output_tokens=tokens, tokens_per_s=rate, tokens_per_s_runs=[rate])
+
+
+def measure_turn(cfg: Config, base_url: str, prompts: list[dict], desc: str) -> DraftRun:
+    """One run of a set's turn on the target + draft: a window per category; the set's numbers from their sum, so
+    that the set's counters are exactly its categories' together."""
+    from common.serving.vllm_server import scrape_metrics, spec_decode_metrics
+
+    k = cfg.evaluate.num_speculative_tokens
+    run, deltas = send_set(cfg, base_url, prompts, desc, lambda: spec_decode_metrics(scrape_metrics(base_url)))
+    sizes = Counter(p.get("category") for p in prompts)
+    return DraftRun(run, acceptance_metrics(summed(list(deltas.values())), k),
+                    {c: {"num_prompts": sizes[c], **category_acceptance(d, k)} for c, d in deltas.items() if c is not None})
+
+
+def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft: Path,
+                       log_name: str = "vllm_eval_draft", on_ready: Callable[[], None] = lambda: None,
+                       second_turns: Optional[dict[str, list[dict]]] = None) -> dict[str, DraftRun]:
+    """Target + draft: each prompt set in its windows (its first run: the outputs the report compares and replays),
+    then its further timed runs, then its turn 2 (second_turns: {set: the prompts of the target-alone run's turn 2},
+    the same conversations the target alone got). on_ready runs once the server is up and answered its warm-up
+    request (05 --overwrite deletes the previous outputs there)."""
     k = cfg.evaluate.num_speculative_tokens
     measured = {}
     with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log(log_name)) as server:
         warm_up(cfg, server.base_url, sets[HELD_OUT].prompts)
         on_ready()
         for name, prompt_set in sets.items():
-            before = spec_decode_metrics(scrape_metrics(server.base_url))
             desc = f"target + draft (k={k}, {name})"
-            run = run_prompts(cfg, server.base_url, prompt_set.prompts, desc=desc)
-            after = spec_decode_metrics(scrape_metrics(server.base_url))
-            run = repeat_timing(cfg, server.base_url, prompt_set.prompts, run, desc)
-            measured[name] = DraftRun(run, acceptance_metrics(metrics_delta(after, before), k))
+            m = measure_turn(cfg, server.base_url, prompt_set.prompts, desc)
+            m.run = repeat_timing(cfg, server.base_url, prompt_set.prompts, m.run, desc)
+            if (second_turns or {}).get(name):
+                m.turn_2 = measure_turn(cfg, server.base_url, second_turns[name], f"{desc}, turn 2")
+            measured[name] = m
     return measured

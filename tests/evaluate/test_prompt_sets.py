@@ -64,8 +64,9 @@ def with_sets(cfg, prompt_sets: dict, **evaluate_keys):
 def test_benchmark_shapes_are_read_first_turn_with_their_ids_and_odd_rows_counted(run_env, tmp_path):
     files = benchmark_files(tmp_path)
     chat = write_jsonl(tmp_path / "chat" / "rows.jsonl", [
-        {"id": "c1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Plan a picnic."},
-                                  {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and a second turn"}]},
+        {"id": "c1", "category": "planning",
+         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Plan a picnic."},
+                      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and a second turn"}]},
         {"id": "c2", "conversations": [{"from": "human", "value": "Name three rivers."}]},
         {"id": "c3", "prompt": [{"role": "user", "content": "A prompt given as chat messages."}]},
         {"id": "c4", "problem": "Find the sum of the roots of x^2 - 5x + 6."},  # MATH
@@ -77,22 +78,25 @@ def test_benchmark_shapes_are_read_first_turn_with_their_ids_and_odd_rows_counte
     sets = load_prompt_sets(cfg)
     assert list(sets) == ["held_out", "chat", "gsm8k", "humaneval", "mt_bench"]  # in name order
 
-    mt = sets["mt_bench"]  # MT-bench: the first turn, like the held-out set; its question_id is the id
-    assert mt.prompts == [{"id": "81", "messages": [{"role": "user", "content": "Compose a travel blog post about Hawaii."}]},
-                          {"id": "82", "messages": [{"role": "user", "content": "Draft an email asking for feedback."}]},
-                          {"id": "85", "messages": [{"role": "user", "content": "Solve x^2 = 4."}]}]
+    mt = sets["mt_bench"]  # MT-bench: the first turn is the prompt, the later ones and the category kept; question_id the id
+    assert mt.prompts == [{"id": "81", "messages": [{"role": "user", "content": "Compose a travel blog post about Hawaii."}],
+                           "later_turns": ["Rewrite it in rhymes."], "category": "writing"},
+                          {"id": "82", "messages": [{"role": "user", "content": "Draft an email asking for feedback."}],
+                           "category": "writing"},
+                          {"id": "85", "messages": [{"role": "user", "content": "Solve x^2 = 4."}], "category": "math"}]
     assert mt.rows_read == 5 and mt.rows_skipped == {"no_prompt_field": 1, "malformed_json": 1}
     assert mt.first_skipped == f"{files['mt_bench']}:3 (no_prompt_field)"
     # GSM8K: no ids in the rows, so NAME-ROW; evaluate.num_prompts (4) of its 6 rows
     gsm8k = sets["gsm8k"]
     assert [p["id"] for p in gsm8k.prompts] == ["gsm8k-1", "gsm8k-2", "gsm8k-3", "gsm8k-4"] and gsm8k.rows_read == 4
-    assert gsm8k.prompts[2]["messages"] == [{"role": "user", "content": "Natalia sold 2 clips. How many are left?"}]
+    assert gsm8k.prompts[2] == {"id": "gsm8k-3", "messages": [{"role": "user", "content": "Natalia sold 2 clips. How many are left?"}]}
     he = sets["humaneval"]
     assert [p["id"] for p in he.prompts] == ["HumanEval/0", "HumanEval/2"] and he.rows_skipped == {"empty": 1}
     assert he.prompts[1]["messages"][0]["content"] == "def truncate_number(number: float) -> float:\n"
     chat_set = sets["chat"]
     assert [p["id"] for p in chat_set.prompts] == ["c1", "c2", "c3", "c4"]  # the first 4 usable rows
-    assert chat_set.prompts[0]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Plan a picnic."}]
+    assert chat_set.prompts[0] == {"id": "c1", "category": "planning",  # any shape keeps a category; later turns: lists of turns only
+                                   "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Plan a picnic."}]}
     assert chat_set.prompts[3]["messages"] == [{"role": "user", "content": "Find the sum of the roots of x^2 - 5x + 6."}]
     assert chat_set.describe() == {"source": str(chat.parent), "rows_read": 4, "rows_skipped": {}}
     # past the first num_prompts usable rows nothing is read: c6 and c7 are counted with a larger limit
@@ -196,9 +200,11 @@ def test_three_prompt_sets_each_measured_with_its_counts_baseline_plot_and_line(
         baseline = json.loads((run / "eval" / f"baseline-{name}.json").read_text())  # cached per set
         assert sorted(baseline["outputs"]) == sorted(r["id"] for r in rows)
     assert report["num_prompts"] == 4 and report["counters"]["num_drafts"] == 40  # the held-out set, as before
-    # one server with the draft: a warm-up, then every set; one of the target alone: a warm-up per set
-    draft_server, target_server = (s["server"] for s in run_env.started)
-    assert len(draft_server.requests) == 1 + 4 + 3 + 4 + 2 and len(target_server.requests) == 4 * 1 + 4 + 3 + 4 + 2
+    # one server of the target alone first (mt_bench's turn 2 needs its answers): a warm-up per set, every set and
+    # mt_bench's one turn-2 prompt; then one with the draft: a warm-up, every set, the same turn-2 prompt
+    assert [s["speculative"] is not None for s in run_env.started] == [False, True]
+    target_server, draft_server = (s["server"] for s in run_env.started)
+    assert len(draft_server.requests) == 1 + 4 + 3 + 4 + 2 + 1 and len(target_server.requests) == 4 * 1 + 4 + 3 + 4 + 2 + 1
     assert evaluate.missing_baselines(cfg) == []
     assert (run / "eval" / "report.png").stat().st_size > 10_000
     out = capsys.readouterr().out
@@ -248,14 +254,10 @@ def plain_files(run: Path) -> dict[str, bytes]:
 
 class WeakerDraftVllm(FakeVllm):
     """FakeVllm whose draft never gets its last position accepted: 5 + 3 + 0 of 30 draft tokens per request
-    (acceptance length 1.8 where FakeVllm's is 1.9). Counted before the reply goes out, so no scrape misses it."""
+    (acceptance length 1.8 where FakeVllm's is 1.9)."""
 
-    def handle(self, request, method):
-        if method == "POST" and self.with_draft:
-            with self.lock:
-                self.counts["accepted"] -= 1
-                self.counts["pos"][2] -= 1
-        super().handle(request, method)
+    def accepted_per_pos(self, body):
+        return [5, 3, 0]
 
 
 def test_compare_puts_two_drafts_side_by_side_on_the_same_prompts(run_env, tmp_path, monkeypatch, capsys):
@@ -281,13 +283,16 @@ def test_compare_puts_two_drafts_side_by_side_on_the_same_prompts(run_env, tmp_p
     assert [s["speculative"] for s in started] == [serve.speculative_config(cfg, run_env.final), serve.speculative_config(cfg, weaker)]
     assert [s["log"].name for s in started] == ["vllm_compare_a.log", "vllm_compare_b.log"]
     sent = [sorted((body["messages"][-1]["content"], body["max_tokens"]) for body in s["server"].requests) for s in started]
-    assert sent[0] == sent[1] and len(sent[0]) == 1 + 4 + 3 + 2  # the same prompts (2 in flight: in any order)
+    assert sent[0] == sent[1] and len(sent[0]) == 1 + 4 + 3 + 2 + 1  # the same prompts, turn 2 too (2 in flight: in any order)
     assert plain_files(run_env.run) == plain  # byte-identical: report.json, report.png, outputs, baselines
 
     comparison = json.loads((run_env.run / "eval" / "compare" / "report.json").read_text())
     assert comparison["drafts"] == {"a": str(run_env.final), "b": str(weaker)}
     assert comparison["acceptance_length"] == {name: {"a": pytest.approx(1.9), "b": pytest.approx(1.8), "b_minus_a": pytest.approx(-0.1)}
                                                for name in ("held_out", "mt_bench", "humaneval")}
+    # mt_bench's turn 2 (one prompt with a second turn), side by side too
+    assert comparison["turn_2_acceptance_length"] == {"mt_bench": {"a": pytest.approx(1.9), "b": pytest.approx(1.8),
+                                                                   "b_minus_a": pytest.approx(-0.1)}}
     assert comparison["per_position_acceptance"]["humaneval"] == {"a": pytest.approx([0.5, 0.3, 0.1]), "b": pytest.approx([0.5, 0.3, 0.0])}
     assert {name: s["num_prompts"] for name, s in comparison["prompt_sets"].items()} == {"held_out": 4, "humaneval": 2, "mt_bench": 3}
     a, b = comparison["reports"]["a"], comparison["reports"]["b"]
@@ -303,6 +308,7 @@ def test_compare_puts_two_drafts_side_by_side_on_the_same_prompts(run_env, tmp_p
     assert f"05_evaluate: compare (k=3): a = {run_env.final} (offline prediction 2.02); b = {weaker} (no offline prediction)" in out
     assert "05_evaluate: held_out (4 prompts): acceptance length a 1.90 | b 1.80 | b - a -0.10 | tokens/s vs the target alone: a " in out
     assert "05_evaluate: humaneval (2 prompts): acceptance length a 1.90 | b 1.80 | b - a -0.10" in out
+    assert "05_evaluate: mt_bench turn 2 (1 prompts): acceptance length a 1.90 | b 1.80 | b - a -0.10" in out
 
     # Again: already complete, no server; the other order is another comparison, measured again.
     n = len(run_env.started)
