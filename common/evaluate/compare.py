@@ -38,7 +38,7 @@ def run_compare(cfg: Config, dirs: list[str], overwrite: bool = False, base_url:
     sets = load_prompt_sets(cfg)
     # Every check comes before --overwrite deletes the previous outputs: a refusal loses nothing.
     drafts = {label: checked_draft(cfg, layout, d, foreign_draft) for label, d in zip(COMPARED, dirs)}
-    keys = {label: report_key(cfg, sets, d.path, d.sha256, foreign_draft) for label, d in drafts.items()}
+    keys = {label: report_key(cfg, sets, d.sha256, foreign_draft) for label, d in drafts.items()}
     files = compare_files(layout)
     path = files["a"].report
     if overwrite:

@@ -54,12 +54,11 @@ import hashlib
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Optional
 
 from common.core.config import Config
 from common.core.errors import DataError, PipelineError
-from common.core.io import atomic_write_json, file_sha256, read_json
+from common.core.io import atomic_write_json, read_json
 from common.core.run_folder import HELD_OUT, OTHER, Layout, StageManifest
 from common.evaluate import serve
 from common.evaluate.draft import checked_draft
@@ -86,11 +85,12 @@ def prompts_sha256(prompts: list[dict]) -> str:
 
 
 def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
-    """Everything the target-alone run depends on (target, prompts, sampling, server settings)."""
-    target_cfg = Path(cfg.target.model) / "config.json"
+    """Everything the target-alone run depends on (target, prompts, sampling, server settings). The target and the
+    draft (report_key) by content: a run folder or target moved elsewhere is measured already."""
+    from common.target.loading import target_fingerprint
+
     return {
-        "target": cfg.target.model,
-        "target_config_sha256": file_sha256(target_cfg) if target_cfg.is_file() else None,
+        "target_sha256": target_fingerprint(Layout.of(cfg), cfg.target.model) or cfg.target.model,  # a hub id: itself
         "target_dtype": cfg.target.dtype,
         "prompts_sha256": prompts_sha256(prompts),
         "sampling": serve.sampling_params(cfg),
@@ -101,11 +101,10 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
     }
 
 
-def report_key(cfg: Config, sets: dict[str, PromptSet], draft_dir: Path, draft_sha: str, foreign_draft: bool = False) -> dict:
+def report_key(cfg: Config, sets: dict[str, PromptSet], draft_sha: str, foreign_draft: bool = False) -> dict:
     """Everything a draft's report depends on: the baseline's key, the draft (its weights) and every prompt set."""
     named = {name: prompts_sha256(s.prompts) for name, s in sets.items() if name not in (HELD_OUT, OTHER)}
     return baseline_key(cfg, sets[HELD_OUT].prompts) | {
-        "draft": str(draft_dir),
         "draft_sha256": draft_sha,
         "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
         "other_prompts_sha256": prompts_sha256(sets[OTHER].prompts) if OTHER in sets else None,
@@ -259,7 +258,7 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
         return run_baseline_only(cfg, layout, sets, base_url, overwrite)
     # Every check comes before --overwrite deletes the previous eval/ outputs: a refusal loses nothing.
     draft = checked_draft(cfg, layout, draft_dir, foreign_draft)
-    key = report_key(cfg, sets, draft.path, draft.sha256, foreign_draft)
+    key = report_key(cfg, sets, draft.sha256, foreign_draft)
     manifest = stage_manifest(cfg, key)
     if not overwrite and manifest.begin(False, outputs=[layout.eval_report]) == "complete":
         manifest.record("already_complete")

@@ -277,6 +277,27 @@ def test_stage_report_schema_values_and_resume(run_env, capsys):
     assert [s["speculative"] is not None for s in run_env.started[n:]] == [True]
 
 
+def test_a_moved_run_and_target_are_measured_already(run_env, tmp_path, capsys):
+    """Issue 33, case 11: 05 keyed its report on the draft's and the target's paths, so moving the run folder (or the
+    target) measured everything again in vLLM. Both are keyed by content now: the moved run is complete, no server."""
+    assert evaluate.run_stage(run_env.cfg) == 0
+    report = (run_env.run / "eval" / "report.json").read_bytes()
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.move(run_env.run, moved / "run")
+    shutil.move(tmp_path / "target", moved / "target")
+    tree = run_env.cfg.to_dict()
+    cfg = config_from_dict({**tree, "run_dir": str(moved / "run"), "target": {**tree["target"], "model": str(moved / "target")}})
+    run_env.started.clear()
+    capsys.readouterr()
+    assert evaluate.run_stage(cfg) == 0
+    assert "already complete" in capsys.readouterr().out and run_env.started == []
+    assert (moved / "run" / "eval" / "report.json").read_bytes() == report
+    # other target weights are another measurement
+    (moved / "target" / "model.safetensors").write_bytes(b"other weights")
+    assert evaluate.run_stage(cfg) == 0 and len(run_env.started) == 2
+
+
 def test_stage_reports_greedy_mismatches(run_env, capsys):
     run_env.diverge = ("question 5",)
     assert evaluate.run_stage(run_env.cfg) == 0
