@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -203,10 +204,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def eval_run(root: Path) -> Path:
-    """A run_dir with prompts, a (fake) trained draft and 04's offline report; returns the config."""
+def eval_run(root: Path, tokenizer_dir: Path) -> Path:
+    """A run_dir with prompts, a (fake) trained draft and 04's offline report; returns the config. The target is a
+    config and a tokenizer (05 counts each prompt's tokens against server.max_model_len)."""
     target = root / "target"
-    target.mkdir(parents=True)
+    shutil.copytree(tokenizer_dir, target)
     (target / "config.json").write_text('{"model_type": "llama"}')
     run_dir = root / "run"
     (run_dir / "data").mkdir(parents=True)
@@ -227,7 +229,7 @@ def eval_run(root: Path) -> Path:
     cfg = root / "run.yaml"
     cfg.write_text(yaml.safe_dump({"run_dir": str(run_dir), "target": {"model": str(target), "dtype": "float32"},
                                    "evaluate": {"num_prompts": 8, "num_speculative_tokens": 3, "max_tokens": 64,
-                                                "temperature": 0.0, "concurrency": 1}}))
+                                                "temperature": 0.0, "concurrency": 1, "throughput_repeats": 1}}))
     return cfg
 
 
@@ -249,10 +251,10 @@ def comparable_eval(run_dir: Path) -> dict:
     return out
 
 
-def test_05_evaluate_sigkill_anywhere_then_rerun_is_identical(tmp_path):
+def test_05_evaluate_sigkill_anywhere_then_rerun_is_identical(tmp_path, chat_tokenizer_dir):
     cmds, runs, answered = {}, {}, {}
     for name in ("ref", "cut"):
-        cfg = eval_run(tmp_path / name)
+        cfg = eval_run(tmp_path / name, chat_tokenizer_dir)
         runs[name] = tmp_path / name / "run"
         answered[name] = tmp_path / f"{name}-answered.log"
         code = FAKE_05.format(script=str(REPO / "05_evaluate.py"), config=str(cfg), answered=str(answered[name]))
