@@ -216,8 +216,10 @@ def stage_manifest(cfg: Config, layout: Layout, tokenizer) -> StageManifest:
             "tokenize": {"max_seq_len": t.max_seq_len, "overlong": t.overlong, "token_ids_from": t.token_ids_from,
                          "tokenizer": tokenizer_fingerprint(layout, tokenizer_path(cfg)),  # by content, not path
                          "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()},
+            # which prompts the server takes (leave_out_unservable): a larger context answers the ones left out
+            "context": {"max_model_len": cfg.server.max_model_len},
         },
-        redo_on={layout.name(layout.prompts), "tokenize"},
+        redo_on={layout.name(layout.prompts), "tokenize", "context"},
     )
 
 

@@ -614,6 +614,12 @@ def test_prompts_longer_than_the_server_context_are_left_out_before_any_request(
     assert failed == []
     report = json.loads((run_dir / "data" / "generate_report.json").read_text())
     assert report["skipped_prompts"] == {"over_max_model_len": 3} and report["num_prompts"] == 7 and report["complete"]
+    # a server with a larger context: the rerun answers the three it left out, and only them
+    with FaultServer(Faults(seed=4)) as server:
+        res = run_01b(config(write_config, server, chat_tokenizer_dir), "--set", "server.max_model_len=2048")
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert server.stats.chat_requests == sum(1 + (p["id"] in ("p007",)) for p in prompts if p["id"] in long_ids)
+    assert_accounted(run_dir, prompts)
 
     # nothing fits: one line naming the limit, no request, nothing written or deleted
     before = {f.name: f.read_bytes() for f in (run_dir / "data").iterdir()}
