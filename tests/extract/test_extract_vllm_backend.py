@@ -184,18 +184,32 @@ def test_backend_auto_and_errors(tmp_path):
         config_from_dict({"run_dir": str(tmp_path), "extract": {"backend": "vllm-cpu"}})
 
 
+def engine_processes(pid: int) -> list:
+    """The processes under 02 but its reaper; those that end while being listed are left out."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "common.core.reaper" not in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sigkill_during_vllm_backend_then_rerun_has_every_sample_once(tmp_path):
     from common.demo.tiny_target import ensure_tiny_target
 
     target = ensure_tiny_target("llama")
-    rows = chat_samples(target, n_train=14, n_eval=3)
+    # Enough shards (~20) that the kill lands mid-run: one shard of the tiny target takes ~0.1 s on vLLM-CPU, so
+    # with 5 shards a slow poll once saw them all written before it could kill.
+    rows = chat_samples(target, n_train=50, n_eval=6)
     run = write_run(tmp_path / "run", rows)
     config = write_yaml(tmp_path / "config.yaml", {
         "run_dir": str(run), "target": {"model": str(target), "aux_layer_ids": AUX, "dtype": "bfloat16"},
         "tokenize": {"max_seq_len": 512},
-        "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 500, "batch_max_tokens": 1024}})
+        "extract": {"device": "cpu", "backend": "vllm", "shard_max_tokens": 400, "batch_max_tokens": 1024}})
     cmd = [sys.executable, str(REPO / "02_extract_hidden.py"), "--config", str(config)]
     env = stage_env(VLLM_CPU_KVCACHE_SPACE="1")
     log = tmp_path / "killed.log"
@@ -206,10 +220,15 @@ def test_sigkill_during_vllm_backend_then_rerun_has_every_sample_once(tmp_path):
         try:
             deadline = time.monotonic() + 600
             index = run / "hidden" / "index.json"
-            while not (index.is_file() and json.loads(index.read_text())["num_shards"] >= 1):
+            engine: list = []
+            # The engine's processes are listed before each look at the index, so the kill follows the first
+            # shard at once (listing them after would cost the time of several shards).
+            while True:
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-                time.sleep(0.05)
-            engine = [c for c in psutil.Process(proc.pid).children(recursive=True) if "common.core.reaper" not in " ".join(c.cmdline())]
+                engine = engine_processes(proc.pid) or engine
+                if index.is_file() and json.loads(index.read_text())["num_shards"] >= 1:
+                    break
+                time.sleep(0.01)
             assert engine, "no engine processes under 02"
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
