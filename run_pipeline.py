@@ -237,14 +237,12 @@ def check_target(cfg) -> None:
 def generation_pending(cfg) -> bool:
     """True if 01b still has prompts to answer (it needs a server only then)."""
     from common.core.run_folder import Layout
-    from common.data.generate_files import load_done, load_prompts
+    from common.data.generate_files import has_answers, load_done, load_prompts
 
     layout = Layout.of(cfg)
     prompts, _ = load_prompts(layout.prompts)
-    if not layout.raw_responses.exists():
-        return True
     done, _ = load_done(layout.raw_responses)
-    return any(p["id"] not in done for p in prompts)
+    return any(p["id"] not in done and not has_answers(p) for p in prompts)
 
 
 def baseline_pending(cfg) -> bool:

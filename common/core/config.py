@@ -106,6 +106,10 @@ class DataConfig:
     system_prompt: Optional[str] = None  # prepended to every prompt that has none
     max_user_turns: Annotated[int, Range(ge=1, le=256)] = 1  # user turns kept per prompt; 01b answers them one by one
     dedupe: bool = True
+    # Whose answers the draft trains on: "regenerate" (the target's own, from 01b: the best data, and its slowest
+    # stage), "dataset" (the source's assistant turns: no server for 01b; rows without an answer are dropped) or
+    # "fill" (the source's where every kept user turn has one, 01b answers the rest). docs/design.md#answers
+    answers: Literal["regenerate", "dataset", "fill"] = "regenerate"
 
 
 @dataclass
@@ -585,6 +589,9 @@ def validate(cfg: Config) -> None:
     _require(not cfg.extract.stream or cfg.extract.max_disk_gb is not None,
              "extract.stream is true but extract.max_disk_gb is null; streaming bounds the hidden-state folder: set "
              "extract.max_disk_gb (what hidden/ may hold), or set extract.stream: false")
+    _require(cfg.data.answers == "regenerate" or cfg.tokenize.token_ids_from == "template",
+             f"data.answers={cfg.data.answers} trains on the dataset's own answers, which have no server token ids, but "
+             f"tokenize.token_ids_from=server; set tokenize.token_ids_from: template, or data.answers: regenerate")
     t = cfg.train
     _require(len(t.betas) == 2, f"train.betas must have two values, got {t.betas}")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr:g}) must be <= train.lr ({t.lr:g})")

@@ -379,3 +379,31 @@ def keep_prompt(messages: list[dict], system_prompt: str | None, max_user_turns:
     return kept, None
 
 
+def keep_answered(messages: list[dict], system_prompt: str | None, max_user_turns: int,
+                  fill: bool) -> tuple[list[dict] | None, str | None]:
+    """Like keep_prompt, with the source's own answers (data.answers dataset | fill): system + the first user turns,
+    each followed by the assistant answer the source gives it. A user turn without a non-empty answer right after it
+    ends the conversation (what follows answered another history). When it comes before max_user_turns answered turns:
+    with fill, the prompt alone is kept (01b answers all of it); without, the answered turns before it (none:
+    dropped as "no_answer")."""
+    prompt, reason = keep_prompt(messages, system_prompt, max_user_turns)
+    if reason is not None:
+        return None, reason
+    turns = [m for m in messages if m["role"] != "system" and m["content"].strip()]
+    kept = [m for m in prompt if m["role"] == "system"]
+    answered = 0
+    for i, m in enumerate(turns):
+        if answered == max_user_turns or m["role"] != "user":
+            continue  # an assistant turn without its user turn (or past the kept ones) is not an answer
+        answer = turns[i + 1] if i + 1 < len(turns) else None
+        if answer is None or answer["role"] != "assistant":
+            break
+        kept += [dict(m), dict(answer)]
+        answered += 1
+    asked = sum(1 for m in prompt if m["role"] == "user")
+    if answered == asked:
+        return kept, None
+    if fill:
+        return prompt, None
+    return (kept, None) if answered else (None, "no_answer")
+

@@ -40,7 +40,7 @@ from common.core.config import Config
 from common.core.errors import PipelineError
 from common.core.io import atomic_write_json
 from common.core.run_folder import Layout, StageManifest
-from common.data.generate_files import finalize_failed, load_done, load_prompts
+from common.data.generate_files import copy_dataset_answers, finalize_failed, has_answers, load_done, load_prompts
 from common.data.generate_requests import RunSummary, answer_prompts
 from common.data.generate_server import ServerCheck, check_server
 from common.data.generate_tokenize import (
@@ -68,6 +68,7 @@ class GenerateReport:
     # read_done
     duplicates_in_raw: Optional[int] = None
     done_before: Optional[int] = None  # prompts already answered when this run started
+    dataset_answers: Optional[int] = None  # prompts that came with the source's answers (data.answers), copied this run
     # generate_missing: only when some prompt was left to answer
     base_url: Optional[str] = None
     concurrency: Optional[int] = None
@@ -118,14 +119,15 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     if overwrite:
         # Every refusal comes before the previous outputs go: a refused --overwrite leaves them as they were.
         check_token_sources(cfg, layout, tokenizer, prompts, {})
-        server = check_server(cfg, prompts, tokenizer, overwrite=True)
+        to_send = [p for p in prompts if not has_answers(p)]
+        server = check_server(cfg, to_send, tokenizer, overwrite=True) if to_send else None
         for p in layout.generate_outputs():
             p.unlink(missing_ok=True)
     status = manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl])
     recorded = manifest.result.get("raw_responses_bytes")
-    if status == "complete" and recorded is not None and layout.raw_responses.stat().st_size != recorded:
+    if status == "complete" and recorded is not None and raw_size(layout) != recorded:
         # damaged or cut after it was complete (a disk error, a bad copy): re-read it, redo what is lost
-        print(f"01b_generate_synthetic: {layout.raw_responses} has {layout.raw_responses.stat().st_size} bytes, "
+        print(f"01b_generate_synthetic: {layout.raw_responses} has {raw_size(layout)} bytes, "
               f"{recorded} when 01b completed; checking it again and regenerating what is missing")
         status = "resume"
     if status == "complete":
@@ -153,10 +155,11 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     report.tokenize, report.complete = tok, not still_failed
     report.write(layout.generate_report)
     result = {"num_done": report.num_done, "num_failed": len(still_failed), "train": tok.train, "eval": tok.eval,
-              "raw_responses_bytes": layout.raw_responses.stat().st_size if layout.raw_responses.exists() else 0}
+              "raw_responses_bytes": raw_size(layout)}
     # Complete only with no failures left: a rerun retries them (with a server).
     manifest.complete(result) if not still_failed else manifest.partial(result)
-    print(f"01b_generate_synthetic: {report.generation_line()}{report.num_done}/{len(prompts)} done, {len(still_failed)} failed"
+    copied = f" ({report.dataset_answers} with the dataset's answers)" if report.dataset_answers else ""
+    print(f"01b_generate_synthetic: {report.generation_line()}{report.num_done}/{len(prompts)} done{copied}, {len(still_failed)} failed"
           f"{failed_advice(layout, still_failed)}; "
           f"tokenized train {tok.train}, eval {tok.eval}, {tok.tokens} tokens ({tok.loss_tokens} with loss), "
           f"{tok.truncated} truncated, skipped {tok.skipped or 0}")
@@ -176,11 +179,17 @@ def read_prompts(layout: Layout) -> tuple[list[dict], GenerateReport]:
     return prompts, GenerateReport(num_prompts=len(prompts), duplicate_prompt_ids=dup_prompts, skipped_prompts=dict(skipped))
 
 
+def raw_size(layout: Layout) -> int:
+    return layout.raw_responses.stat().st_size if layout.raw_responses.exists() else 0
+
+
 def leave_out_unservable(cfg: Config, tokenizer, prompts: list[dict], report: GenerateReport) -> list[dict]:
     """Leave out, before any request, the prompts the server would refuse (longer than its context);
-    counted in the report's skipped_prompts and said in one line."""
+    counted in the report's skipped_prompts and said in one line. A prompt with the dataset's answers is
+    never sent: tokenize.max_seq_len alone bounds it."""
     skipped: Counter = Counter()
-    kept = leave_out_overlong(cfg, tokenizer, prompts, skipped)
+    servable = {id(p) for p in leave_out_overlong(cfg, tokenizer, [p for p in prompts if not has_answers(p)], skipped)}
+    kept = [p for p in prompts if has_answers(p) or id(p) in servable]
     if skipped:
         print(f"01b_generate_synthetic: left out {sum(skipped.values())} of {len(prompts)} prompts the server cannot take "
               f"({', '.join(f'{k} {v}' for k, v in skipped.most_common())}; server.max_model_len="
@@ -198,7 +207,9 @@ def check_before_server(cfg: Config) -> str:
     tokenizer = load_target_tokenizer(cfg)
     prompts = leave_out_unservable(cfg, tokenizer, prompts, report)
     check_token_sources(cfg, layout, tokenizer, prompts, {})  # the rows already done: 01b checks them itself
-    return f"{len(prompts)} prompts to serve, token ids from {cfg.tokenize.token_ids_from}: checked"
+    answered = sum(map(has_answers, prompts))
+    with_answers = f" ({answered} with the dataset's answers)" if answered else ""
+    return f"{len(prompts) - answered} prompts to serve{with_answers}, token ids from {cfg.tokenize.token_ids_from}: checked"
 
 
 def stage_manifest(cfg: Config, layout: Layout, tokenizer) -> StageManifest:
@@ -224,13 +235,17 @@ def stage_manifest(cfg: Config, layout: Layout, tokenizer) -> StageManifest:
 
 
 def read_done(layout: Layout, prompts: list[dict], report: GenerateReport) -> tuple[dict[str, dict], list[dict]]:
-    """(finished raw rows by id, prompts still to answer)."""
+    """(finished raw rows by id, prompts still to answer). The prompts that came with the dataset's answers
+    are copied in as finished first."""
     prompt_ids = {p["id"] for p in prompts}
     done, dup_raw = load_done(layout.raw_responses)
     if dup_raw:
         log.warning("%s holds %d duplicate id(s); using the first row of each", layout.raw_responses, dup_raw)
     report.duplicates_in_raw = dup_raw
     report.done_before = sum(1 for pid in done if pid in prompt_ids)
+    report.dataset_answers = copy_dataset_answers(layout.raw_responses, [p for p in prompts if p["id"] not in done])
+    if report.dataset_answers:
+        done, _ = load_done(layout.raw_responses)
     return done, [p for p in prompts if p["id"] not in done]
 
 

@@ -3,7 +3,9 @@
 - prompts.jsonl (written by 01): {"id", "messages", "split"}; read here under 01's own rules.
 - raw_responses.jsonl: one row per finished id, appended by common.data.generate_requests:
   {"id", "messages" (the conversation with the generated turns), "reasoning", "content",
-  "finish_reason", "usage", "turns" (the server's raw answer per user turn), "model"}.
+  "finish_reason", "usage", "turns" (the server's raw answer per user turn), "model"};
+  a prompt that came with the source's answers (data.answers dataset | fill) is copied in as
+  {"id", "messages", "reasoning": "", "content", "answers": "dataset"} (copy_dataset_answers).
 - failed.jsonl: one record per failed attempt at an id, {"id", "reason", "error_type",
   "status_code", "attempts", "turn", "retryable", "time"}; at the end of a run it is rewritten
   with only the ids still not done (finalize_failed).
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.core.errors import DataError
-from common.core.io import iter_jsonl, truncate_torn_tail, write_jsonl_atomic
+from common.core.io import JsonlAppender, iter_jsonl, truncate_torn_tail, write_jsonl_atomic
 from common.core.run_folder import Layout
 
 
@@ -27,7 +29,7 @@ def load_prompts(path: Path, skipped: Counter | None = None) -> tuple[list[dict]
     would drop (a message without a role, an unknown role, no non-empty user turn) is never sent;
     it is counted in `skipped` under 01's reason.
     """
-    from common.data.prepare import BadFields, keep_prompt, row_messages
+    from common.data.prepare import BadFields, keep_answered, keep_prompt, row_messages
 
     if not path.is_file():
         raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")
@@ -38,7 +40,12 @@ def load_prompts(path: Path, skipped: Counter | None = None) -> tuple[list[dict]
         if not isinstance(pid, str) or not pid:
             raise DataError(f"{path}: a row lacks a string 'id' (id={pid!r}); rerun 01_prepare_data.py --overwrite")
         try:
-            messages, reason = keep_prompt(row_messages(row), None, max_user_turns=len(row.get("messages") or []) or 1)
+            messages = row_messages(row)
+            turns = len(messages) or 1
+            if any(m["role"] == "assistant" for m in messages):  # data.answers dataset | fill: the source's answers
+                messages, reason = keep_answered(messages, None, max_user_turns=turns, fill=True)
+            else:
+                messages, reason = keep_prompt(messages, None, max_user_turns=turns)
         except BadFields:
             messages, reason = None, "bad_fields"
         if reason is not None:
@@ -53,6 +60,24 @@ def load_prompts(path: Path, skipped: Counter | None = None) -> tuple[list[dict]
         why = f" (skipped as stage 01 would: {', '.join(f'{k} {v}' for k, v in skipped.most_common())})" if skipped else ""
         raise DataError(f"{path} holds no usable prompts{why}; check data.source and rerun 01_prepare_data.py --overwrite")
     return prompts, dupes
+
+
+def has_answers(prompt: dict) -> bool:
+    """A prompt that comes with the source's answer to every user turn (data.answers dataset | fill): 01b sends
+    nothing for it."""
+    return prompt["messages"][-1]["role"] == "assistant"
+
+
+def copy_dataset_answers(path: Path, prompts: list[dict]) -> int:
+    """Append the prompts that come answered to raw_responses.jsonl as finished rows (one place holds every
+    finished conversation, so resume and tokenization treat both kinds alike). Returns how many."""
+    answered = [p for p in prompts if has_answers(p)]
+    if answered:
+        with JsonlAppender(path, fsync_every=max(1, len(answered))) as out:
+            for p in answered:
+                out.write({"id": p["id"], "messages": p["messages"], "reasoning": "",
+                           "content": p["messages"][-1]["content"], "answers": "dataset"})
+    return len(answered)
 
 
 def load_done(path: Path) -> tuple[dict[str, dict], int]:

@@ -2,7 +2,8 @@
 
 Every prompt set, one server per draft, the target-alone baselines shared with a plain run (and cached
 the same way). Written side by side under eval/compare/: report.json ({"acceptance_length": {set: {"a",
-"b", "b_minus_a"}}, "turn_2_acceptance_length" alike for the sets with a turn 2, "reports": {"a", "b"}: each
+"b", "b_minus_a"}}, "turn_2_acceptance_length" alike for the sets with a turn 2, "speedup" and "cost_ratio" (an
+iteration with the draft over a target step, common.evaluate.steps) {set: {"a", "b"}}, "reports": {"a", "b"}: each
 draft's report as a plain run writes it}), report.png and each draft's outputs; eval/report.json is left as it is.
 """
 
@@ -90,6 +91,8 @@ def compare_report(cfg: Config, sets: dict[str, PromptSet], reports: dict[str, d
         **({"turn_2_acceptance_length": turn_2} if turn_2 else {}),
         "per_position_acceptance": side_by_side("per_position_acceptance"),
         "speedup": {name: {label: set_part(r, name)["throughput"]["speedup"] for label, r in reports.items()} for name in sets},
+        "cost_ratio": {name: {label: set_part(r, name)["step_times"].get("cost_ratio") for label, r in reports.items()}
+                       for name in sets},
         "reports": reports,
         "files": {"report": str(files["a"].report), "plot": str(files["a"].plot),
                   "outputs": {label: {name: str(f.outputs_of(name)) for name in sets} for label, f in files.items()}},
@@ -116,8 +119,11 @@ def compare_lines(comparison: dict) -> list[str]:
     for name, al in comparison["acceptance_length"].items():
         speedup = comparison["speedup"][name]
         tps = ", ".join(f"{label} {speedup[label]:.2f}x" for label in COMPARED if speedup[label] is not None)
+        cost = (comparison.get("cost_ratio") or {}).get(name) or {}  # comparisons made before step times have none
+        costs = ", ".join(f"{label} {cost[label]:.2f}x" for label in COMPARED if cost.get(label) is not None)
         lines.append(f"{name} ({comparison['prompt_sets'][name]['num_prompts']} prompts): acceptance length a {al['a']:.2f} | "
-                     f"b {al['b']:.2f} | b - a {al['b_minus_a']:+.2f}" + (f" | tokens/s vs the target alone: {tps}" if tps else ""))
+                     f"b {al['b']:.2f} | b - a {al['b_minus_a']:+.2f}" + (f" | tokens/s vs the target alone: {tps}" if tps else "")
+                     + (f" | an iteration with the draft costs {costs} a target step" if costs else ""))
         turn_2 = (comparison.get("turn_2_acceptance_length") or {}).get(name)
         if turn_2 and turn_2["b_minus_a"] is not None:
             num = set_part(comparison["reports"]["a"], name)["turn_2"]["num_prompts"]

@@ -1,14 +1,15 @@
 """05's report: one draft's measurement put together, written, and read back as summary lines.
 
 - `build_report`: per prompt set, vLLM's acceptance (common.evaluate.serve), the tokens/s with and
-  without the draft, and whether the outputs are identical (at temperature 0 they must be: speculative
+  without the draft and vLLM's step times behind their ratio (common.evaluate.steps), and whether the outputs are identical (at temperature 0 they must be: speculative
   decoding is lossless; mismatches are counted and shown, never hidden); 04's prediction for the draft
   (common.evaluate.draft) with its relative error; with evaluate.replay_served, the replay over the exact
   token ids vLLM served (the same text on both sides: it checks the replay itself).
 - `write_report`: the plot (common.evaluate.plots), then report.json; a warning per set whose greedy
   outputs differ.
 - `summary_lines`: the held-out set's line (with the prediction), then one line per prompt set, + for a set
-  with later turns a line for its turn 2, and for a set with categories one listing them.
+  with later turns a line for its turn 2, for a set with categories one listing them, and for a set the draft
+  slows a line saying why (common.evaluate.steps.slowdown_line).
 
 The held-out prompts' numbers are the report's top level; every other set's are under
 report["prompt_sets"][name] (`set_part` reads either). A set's part keeps its turn-1 numbers at its top
@@ -31,6 +32,7 @@ from common.core.run_folder import HELD_OUT, OTHER, Layout
 from common.evaluate.draft import CheckedDraft, draft_fingerprint
 from common.evaluate.prompt_sets import PromptSet
 from common.evaluate.serve import Baseline, DraftRun, SecondTurn, sampling_params
+from common.evaluate.steps import slowdown_line, step_times
 
 REPORT_VERSION = 1
 
@@ -109,11 +111,13 @@ def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: 
     outputs = outputs_part(cfg, measured.run.outputs, baseline.run.outputs)
     turn_2 = turn_2_results(cfg, measured.turn_2, baseline.turn_2)
     write_outputs(outputs_path, prompts, measured, baseline, outputs, turn_2)
+    ratio = speedup(measured.run.tokens_per_s_runs, baseline.run.tokens_per_s_runs)
     return {
         "num_prompts": len(prompts),
         **measured.acceptance,
-        "throughput": {"with_draft": measured.run.throughput(), "without_draft": baseline.run.throughput(),
-                       **speedup(measured.run.tokens_per_s_runs, baseline.run.tokens_per_s_runs)},
+        "throughput": {"with_draft": measured.run.throughput(), "without_draft": baseline.run.throughput(), **ratio},
+        "step_times": step_times(measured.run.step_counters_runs, baseline.run.step_counters_runs,
+                                 measured.acceptance["acceptance_length"], ratio["speedup"]),
         "outputs": outputs,
         **({"turn_2": turn_2} if turn_2 else {}),
         **({"categories": category_results(measured)} if measured.categories else {}),
@@ -289,13 +293,19 @@ def summary_lines(report: dict) -> list[str]:
     served = report.get("replay_on_served")
     if served:
         line += f" | replay on the served outputs {served['acceptance_length']:.2f} ({100 * served['relative_error']:+.1f}%)"
-    lines = [line]
+    lines = [line] + why_lines("held-out prompts", report)
     for name, part in measured_sets(report).items():
         skipped = sum((part.get("rows_skipped") or {}).values())
         lines.append(f"prompt set {name} ({part['num_prompts']} prompts{f', {skipped} rows skipped' if skipped else ''}): "
                      f"{set_summary(part)}")
-        lines += turn_2_lines(name, part.get("turn_2")) + category_lines(name, part.get("categories"))
+        lines += why_lines(f"prompt set {name}", part) + turn_2_lines(name, part.get("turn_2")) + category_lines(name, part.get("categories"))
     return lines
+
+
+def why_lines(what: str, part: dict) -> list[str]:
+    """Why the draft slows serving on a set (none where it does not, or where vLLM's step times were not read)."""
+    line = slowdown_line(part)
+    return [f"{what}: {line}"] if line else []
 
 
 def turn_2_lines(name: str, turn_2: Optional[dict]) -> list[str]:

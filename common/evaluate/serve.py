@@ -4,7 +4,8 @@
   (`speculative_config`: method eagle3, evaluate.num_speculative_tokens draft tokens).
 - `warm_up`, `send_set`: one untimed request, then a prompt set sent with evaluate's sampling
   (evaluate.concurrency in flight; a set whose rows have categories, category by category) and timed,
-  evaluate.throughput_repeats times: a `PromptRun` (the first run's outputs; tokens/s the median of the runs).
+  evaluate.throughput_repeats times: a `PromptRun` (the first run's outputs; tokens/s the median of the runs;
+  each run's step counters, read from /metrics around it: common.evaluate.steps explains the speedup with them).
   The requests are common.serving.chat's, 01b's client and request body: generate.extra_body and
   generate.enable_thinking reach them too.
 - `measure_with_draft`: target + draft, each prompt set between its own /metrics scrapes, a pair per category
@@ -39,7 +40,9 @@ class PromptRun:
     """One prompt set sent to one server, timed, evaluate.throughput_repeats times. outputs (of the first run):
     {prompt id: {"reasoning", "content", "finish_reason", "usage", "latency_s"}} (+ vLLM's token ids with
     evaluate.replay_served), in prompt order; wall_s and output_tokens: the first run's; tokens_per_s: the median
-    of tokens_per_s_runs, one per run."""
+    of tokens_per_s_runs, one per run. step_counters_runs: per run, vLLM's decode-step counters over it
+    (common.serving.vllm_server.step_metrics; None for a run whose server exposed none), or None where nothing was read
+    (a run not timed)."""
 
     model: str
     outputs: dict[str, dict]
@@ -47,10 +50,12 @@ class PromptRun:
     output_tokens: int
     tokens_per_s: float
     tokens_per_s_runs: list[float]
+    step_counters_runs: Optional[list[Optional[dict]]] = None
 
     @classmethod
     def from_json(cls, doc: dict) -> PromptRun:
-        """The run in a cached baseline file (its other entries, "key" and "created", left out)."""
+        """The run in a cached baseline file (its other entries, "key" and "created", left out). A file written before
+        the step counters were read raises KeyError: measured again, so that the report can say why."""
         return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls)})
 
     def throughput(self) -> dict:
@@ -227,13 +232,17 @@ def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
                             f"{' '.join(str(e).split())[:200]}); it may have died: see its log under run_dir/logs/") from None
 
 
-def repeat_timing(cfg: Config, base_url: str, prompts: list[dict], run: PromptRun, desc: str) -> PromptRun:
+def repeat_timing(cfg: Config, base_url: str, prompts: list[dict], run: PromptRun, desc: str,
+                  scrape: Optional[Callable[[], Optional[dict]]] = None) -> PromptRun:
     """`run` after evaluate.throughput_repeats - 1 more timed runs of the same prompts: its tokens/s is then the
-    median of all (its outputs stay the first run's)."""
+    median of all (its outputs stay the first run's), and, with scrape, each run's step counters are kept."""
     n = cfg.evaluate.throughput_repeats
-    rates = run.tokens_per_s_runs + [send_set(cfg, base_url, prompts, f"{desc}, timed run {i + 1}/{n}")[0].tokens_per_s
-                                     for i in range(len(run.tokens_per_s_runs), n)]
-    return dataclasses.replace(run, tokens_per_s=round(statistics.median(rates), 2), tokens_per_s_runs=rates)
+    more = [send_set(cfg, base_url, prompts, f"{desc}, timed run {i + 1}/{n}", scrape)[0]
+            for i in range(len(run.tokens_per_s_runs), n)]
+    rates = run.tokens_per_s_runs + [r.tokens_per_s for r in more]
+    steps = None if run.step_counters_runs is None else run.step_counters_runs + [c for r in more for c in r.step_counters_runs or [None]]
+    return dataclasses.replace(run, tokens_per_s=round(statistics.median(rates), 2), tokens_per_s_runs=rates,
+                               step_counters_runs=steps)
 
 
 def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "eval") -> PromptRun:
@@ -271,20 +280,54 @@ def categories_of(prompts: list[dict]) -> dict[Optional[str], list[dict]]:
 
 
 def send_set(cfg: Config, base_url: str, prompts: list[dict], desc: str,
-             scrape: Optional[Callable[[], dict]] = None) -> tuple[PromptRun, dict[Optional[str], dict]]:
+             scrape: Optional[Callable[[], Optional[dict]]] = None) -> tuple[PromptRun, dict[Optional[str], dict]]:
     """One timed run of a set, sent category by category (evaluate.concurrency in flight within a category; a set
     without categories at once): every run of a set, on either server, has this shape, so their tokens/s compare.
-    With scrape (the draft's server: its spec-decode counters), also each category's counter delta: acceptance per
-    category needs a window of its own."""
-    from common.serving.vllm_server import metrics_delta
+    With scrape (a read of the server's /metrics: parsed samples, or None where it could not be read), also each
+    category's spec-decode counter delta (acceptance per category needs a window of its own) and the run's step
+    counters (its windows' together). The scrapes sit outside the timed part of each window."""
+    from common.serving.vllm_server import metrics_delta, spec_decode_metrics
 
-    runs, deltas = [], {}
+    runs, deltas, steps = [], {}, []
     for category, group in categories_of(prompts).items():
         before = scrape() if scrape else None
         runs.append(run_prompts(cfg, base_url, group, desc if category is None else f"{desc}, {category}"))
         if scrape:
-            deltas[category] = metrics_delta(scrape(), before)
-    return joined(runs, prompts), deltas
+            after = scrape()
+            if before is not None and after is not None:
+                deltas[category] = metrics_delta(spec_decode_metrics(after), spec_decode_metrics(before))
+            steps.append(window_steps(after, before, runs[-1]))
+    run = joined(runs, prompts)
+    if scrape:
+        run.step_counters_runs = [summed_steps(steps)]
+    return run, deltas
+
+
+def window_steps(after: Optional[dict], before: Optional[dict], run: PromptRun) -> Optional[dict]:
+    """A window's step counters (vLLM's, between two scrapes: common.serving.vllm_server.step_metrics), + the time its
+    requests took as the client saw them, added up (what vLLM's decode time is a share of); None without them."""
+    from common.serving.vllm_server import step_metrics, step_metrics_delta
+
+    delta = None if after is None or before is None else step_metrics_delta(step_metrics(after), step_metrics(before))
+    return delta and {**delta, "client_latency_s_sum": round(sum(o["latency_s"] for o in run.outputs.values()), 3)}
+
+
+def summed_steps(windows: list[Optional[dict]]) -> Optional[dict]:
+    """The step counters of a run's windows together; None when a window has none."""
+    if not windows or None in windows:
+        return None
+    return {key: sum(w[key] for w in windows) for key in windows[0]}
+
+
+def scrape_or_none(base_url: str) -> Optional[dict]:
+    """/metrics of the target-alone server, or None: its tokens/s do not need it, and a server 05 did not start (the
+    generation server, behind a proxy) may not serve it; the report then says the step times were not read."""
+    from common.serving.vllm_server import scrape_metrics
+
+    try:
+        return scrape_metrics(base_url)
+    except PipelineError:
+        return None
 
 
 def joined(runs: list[PromptRun], prompts: list[dict]) -> PromptRun:
@@ -301,10 +344,10 @@ def joined(runs: list[PromptRun], prompts: list[dict]) -> PromptRun:
 def measure_turn(cfg: Config, base_url: str, prompts: list[dict], desc: str) -> DraftRun:
     """One run of a set's turn on the target + draft: a window per category; the set's numbers from their sum, so
     that the set's counters are exactly its categories' together."""
-    from common.serving.vllm_server import scrape_metrics, spec_decode_metrics
+    from common.serving.vllm_server import scrape_metrics
 
     k = cfg.evaluate.num_speculative_tokens
-    run, deltas = send_set(cfg, base_url, prompts, desc, lambda: spec_decode_metrics(scrape_metrics(base_url)))
+    run, deltas = send_set(cfg, base_url, prompts, desc, lambda: scrape_metrics(base_url))
     sizes = Counter(p.get("category") for p in prompts)
     return DraftRun(run, acceptance_metrics(summed(list(deltas.values())), k),
                     {c: {"num_prompts": sizes[c], **category_acceptance(d, k)} for c, d in deltas.items() if c is not None})
@@ -317,6 +360,8 @@ def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], 
     then its further timed runs, then its turn 2 (second_turns: {set: the prompts of the target-alone run's turn 2},
     the same conversations the target alone got). on_ready runs once the server is up and answered its warm-up
     request (05 --overwrite deletes the previous outputs there)."""
+    from common.serving.vllm_server import scrape_metrics
+
     k = cfg.evaluate.num_speculative_tokens
     measured = {}
     with target_server(cfg, speculative_config(cfg, draft), log_path=layout.log(log_name)) as server:
@@ -325,7 +370,7 @@ def measure_with_draft(cfg: Config, layout: Layout, sets: dict[str, PromptSet], 
         for name, prompt_set in sets.items():
             desc = f"target + draft (k={k}, {name})"
             m = measure_turn(cfg, server.base_url, prompt_set.prompts, desc)
-            m.run = repeat_timing(cfg, server.base_url, prompt_set.prompts, m.run, desc)
+            m.run = repeat_timing(cfg, server.base_url, prompt_set.prompts, m.run, desc, lambda: scrape_metrics(server.base_url))
             if (second_turns or {}).get(name):
                 m.turn_2 = measure_turn(cfg, server.base_url, second_turns[name], f"{desc}, turn 2")
             measured[name] = m

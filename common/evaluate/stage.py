@@ -164,10 +164,12 @@ def save_baseline(cfg: Config, prompt_set: str, prompts: list[dict], baseline: B
 
 
 def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT) -> Baseline:
-    """Run the prompts on a server of the target alone: turn 1, timed, then turn 2 where the set has later turns."""
+    """Run the prompts on a server of the target alone: turn 1, timed (with its step counters where the server's
+    /metrics answers: one read tells), then turn 2 where the set has later turns."""
     serve.warm_up(cfg, base_url, prompts)
     desc = "target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})")
-    run = serve.repeat_timing(cfg, base_url, prompts, serve.send_set(cfg, base_url, prompts, desc)[0], desc)
+    scrape = (lambda: serve.scrape_or_none(base_url)) if serve.scrape_or_none(base_url) is not None else None
+    run = serve.repeat_timing(cfg, base_url, prompts, serve.send_set(cfg, base_url, prompts, desc, scrape)[0], desc, scrape)
     return Baseline(run, target_alone_turn_2(cfg, base_url, prompts, run, desc) if has_later_turns(prompts) else None)
 
 

