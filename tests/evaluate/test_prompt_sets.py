@@ -20,7 +20,7 @@ from common.evaluate import serve
 from common.evaluate import stage as evaluate
 from common.evaluate.compare import run_compare
 from common.evaluate.prompt_sets import load_prompt_sets
-from common.evaluate.report import set_part
+from common.evaluate.report import set_part, summary_lines
 from tests.evaluate.test_evaluate import RunEnv, cli_config, run_env, write_draft  # noqa: F401 (run_env: a fixture)
 from tests.helpers import FakeVllm, error_line, run_stage as run_cli
 
@@ -352,7 +352,7 @@ def check_step_times(part: dict, runs: int) -> None:
     """A set's step times from a real vLLM: every timed run read on both servers, positive and self-consistent."""
     st = part["step_times"]
     print({key: st[key] for key in ("target_step_s", "iteration_s", "cost_ratio", "tokens_per_iteration", "acceptance_length",
-                                    "speedup_from_steps", "measured_speedup")})
+                                    "speedup_from_steps", "measured_speedup", "decode_share")})
     assert st["measured"] is True, st
     assert len(st["target_step_s_runs"]) == len(st["iteration_s_runs"]) == runs
     assert min(st["target_step_s_runs"] + st["iteration_s_runs"]) > 0 and st["target_step_s"] > 0 and st["iteration_s"] > 0
@@ -366,6 +366,8 @@ def check_step_times(part: dict, runs: int) -> None:
     for side in ("with_draft", "without_draft"):  # each request's decode time is the sum of its inter-token latencies
         counters = st["counters"][side]
         assert counters["decode_s_sum"] == pytest.approx(counters["iteration_s_sum"], rel=1e-3), (side, counters)
+        # ... and a part of its latency at the client (each rounded to the ms)
+        assert 0 < st["decode_share"][side] <= 1 + 0.001 * counters["requests"] / counters["client_latency_s_sum"], (side, st)
 
 
 @pytest.mark.slow
@@ -401,6 +403,10 @@ def test_real_vllm_compare_of_two_drafts_on_three_benchmark_sets(tiny_target_dir
             assert part["counters"]["num_drafts"] > 0 and 1.0 <= part["acceptance_length"] <= 4.0
             assert part["outputs"]["identical"] == part["outputs"]["compared"] == part["num_prompts"], (label, name, part["outputs"])
             check_step_times(part, runs=3)
+        # 05's summary of this report says why on every set the draft slows (a random draft: most of them)
+        slower = [name for name in comparison["prompt_sets"] if set_part(report, name)["throughput"]["speedup"] < 1]
+        why = [line for line in summary_lines(report) if ": the draft slows serving (" in line]
+        assert len(why) == len(slower) and all(" draft steps + verification) costs " in line for line in why), why
         assert report["offline"] is None and report["offline_missing"]
     held_out_line = [line for line in res.stdout.splitlines() if "acceptance length a " in line][0]
     assert held_out_line.startswith("05_evaluate: held_out (3 prompts): acceptance length a ")

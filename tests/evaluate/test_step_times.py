@@ -119,7 +119,7 @@ def test_step_counters_of_a_window_from_vllm_text_hand_checked():
 def test_step_times_pool_the_timed_runs_and_keep_each():
     def run(iterations: int, seconds: float, tokens: int, requests: int = 4) -> dict:
         return {"iterations": iterations, "iteration_s_sum": seconds, "generation_tokens": tokens, "requests": requests,
-                "decode_s_sum": seconds}
+                "decode_s_sum": seconds, "client_latency_s_sum": 2 * seconds}
 
     alone = [run(44, 0.44, 48), run(44, 0.66, 48), run(44, 0.55, 48)]
     with_draft = [run(20, 0.60, 48), run(22, 0.66, 48), run(20, 0.50, 48)]
@@ -130,6 +130,8 @@ def test_step_times_pool_the_timed_runs_and_keep_each():
     assert st["tokens_per_iteration"] == pytest.approx(132 / 62, abs=1e-4)
     assert st["cost_ratio"] == pytest.approx((1.76 / 62) / (1.65 / 132), abs=1e-4)
     assert st["speedup_from_steps"] == pytest.approx(2.1 / st["cost_ratio"], abs=1e-4)
+    # the requests spent half their time (at the client) in vLLM's decode iterations
+    assert st["decode_share"] == {"with_draft": 0.5, "without_draft": 0.5}
 
 
 def test_step_times_say_why_they_are_missing():
@@ -153,13 +155,16 @@ def part_of(speedup: float, step: dict) -> dict:
 
 
 SLOW = {"measured": True, "target_step_s": 0.0123, "iteration_s": 0.03567, "acceptance_length": 1.65, "cost_ratio": 2.9,
-        "speedup_from_steps": 0.569}
+        "speedup_from_steps": 0.569, "decode_share": {"with_draft": 0.9512, "without_draft": 0.9}}
 
 
 def test_the_summary_says_why_the_draft_slows_serving():
     said = ("the draft slows serving (0.55x tokens/s): each iteration (3 draft steps + verification) costs 2.90x a target "
-            "step (35.7 vs 12.3 ms) and yields 1.65 tokens: 1.65 / 2.90 = 0.57x in decode")
+            "step (35.7 vs 12.3 ms) and yields 1.65 tokens: 1.65 / 2.90 = 0.57x in decode, which is 95% of the requests' "
+            "time with the draft, 90% without")
     assert slowdown_line(part_of(0.55, SLOW)) == said
+    no_share = {k: v for k, v in SLOW.items() if k != "decode_share"}
+    assert slowdown_line(part_of(0.55, no_share)) == said[:said.index(", which")]
     report = {**part_of(0.55, SLOW), "prompt_sets": {"gsm8k": {**part_of(0.55, SLOW), "num_prompts": 3}}}
     lines = summary_lines(report)
     assert lines[1] == f"held-out prompts: {said}"
@@ -237,8 +242,12 @@ def test_the_report_explains_the_speedup_with_both_servers_step_times(timed_env,
     assert st["acceptance_length"] == report["acceptance_length"] == pytest.approx(2.2)
     assert st["cost_ratio"] == pytest.approx(2.9) and st["speedup_from_steps"] == pytest.approx(0.7586, abs=1e-4)
     assert st["measured_speedup"] == report["throughput"]["speedup"]
-    assert st["counters"]["without_draft"] == pytest.approx({"iterations": 88, "iteration_s_sum": 0.88, "generation_tokens": 96,
-                                                             "requests": 8, "decode_s_sum": 0.88})
+    alone = st["counters"]["without_draft"]
+    assert {k: v for k, v in alone.items() if k != "client_latency_s_sum"} == pytest.approx(
+        {"iterations": 88, "iteration_s_sum": 0.88, "generation_tokens": 96, "requests": 8, "decode_s_sum": 0.88})
+    # the fake's step times are made up, the client's latencies real: the share is only their ratio here
+    assert alone["client_latency_s_sum"] > 0
+    assert st["decode_share"]["without_draft"] == round(0.88 / alone["client_latency_s_sum"], 4)
     # the tokens/s of a fake server are noise around 1.0x: the line says why exactly when the median is below 1.0x
     below = report["throughput"]["speedup"] < 1.0
     assert ("held-out prompts: the draft slows serving" in capsys.readouterr().out) == below
@@ -248,8 +257,8 @@ def test_the_report_explains_the_speedup_with_both_servers_step_times(timed_env,
     cached = json.loads(path.read_text())
     assert len(cached["step_counters_runs"]) == 2  # per timed run
     for counters in cached["step_counters_runs"]:
-        assert counters == pytest.approx({"iterations": 44, "iteration_s_sum": 0.44, "generation_tokens": 48, "requests": 4,
-                                          "decode_s_sum": 0.44})
+        assert {k: v for k, v in counters.items() if k != "client_latency_s_sum"} == pytest.approx(
+            {"iterations": 44, "iteration_s_sum": 0.44, "generation_tokens": 48, "requests": 4, "decode_s_sum": 0.44})
     assert evaluate.cached_baseline(cfg) is not None
     del cached["step_counters_runs"]
     path.write_text(json.dumps(cached))
