@@ -483,6 +483,12 @@ class StageManifest:
         self._write(RUNNING, (self.previous or {}).get("result"), "running")
         return status
 
+    def is_complete(self, outputs: Iterable[os.PathLike] = ()) -> bool:
+        """What begin() would call "complete", found without writing anything (a stage skips its costly checks)."""
+        errors, redo = self.changes()
+        return (not errors and not redo and self.previous is not None and self.previous.get("state") == COMPLETE
+                and all(os.path.exists(p) for p in outputs))
+
     @property
     def result(self) -> dict:
         return dict((self.previous or {}).get("result") or {})

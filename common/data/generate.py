@@ -113,8 +113,21 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     prompts, report = read_prompts(layout)
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_target_tokenizer(cfg)
-    prompts = leave_out_unservable(cfg, tokenizer, prompts, report)
     manifest = stage_manifest(cfg, layout, tokenizer)
+    outputs = [layout.raw_responses, layout.train_jsonl, layout.eval_jsonl]
+    recorded = manifest.result.get("raw_responses_bytes")
+    if not overwrite and manifest.is_complete(outputs):
+        if recorded is None or raw_size(layout) == recorded:
+            r = manifest.result
+            print(f"01b_generate_synthetic: already complete ({r.get('num_done')} samples generated; train {r.get('train')}, "
+                  f"eval {r.get('eval')}) in {layout.data}; use --overwrite to redo")
+            manifest.record("already_complete")
+            return 0
+        # damaged or cut after it was complete (a disk error, a bad copy): re-read it, redo what is lost
+        print(f"01b_generate_synthetic: {layout.raw_responses} has {raw_size(layout)} bytes, "
+              f"{recorded} when 01b completed; checking it again and regenerating what is missing")
+    # Rendered only now (every prompt through the chat template): a complete run above skips it.
+    prompts = leave_out_unservable(cfg, tokenizer, prompts, report)
     server: Optional[ServerCheck] = None  # once the server passed check_server
     if overwrite:
         # Every refusal comes before the previous outputs go: a refused --overwrite leaves them as they were.
@@ -123,19 +136,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
         server = check_server(cfg, to_send, tokenizer, overwrite=True) if to_send else None
         for p in layout.generate_outputs():
             p.unlink(missing_ok=True)
-    status = manifest.begin(overwrite, outputs=[layout.raw_responses, layout.train_jsonl, layout.eval_jsonl])
-    recorded = manifest.result.get("raw_responses_bytes")
-    if status == "complete" and recorded is not None and raw_size(layout) != recorded:
-        # damaged or cut after it was complete (a disk error, a bad copy): re-read it, redo what is lost
-        print(f"01b_generate_synthetic: {layout.raw_responses} has {raw_size(layout)} bytes, "
-              f"{recorded} when 01b completed; checking it again and regenerating what is missing")
-        status = "resume"
-    if status == "complete":
-        r = manifest.result
-        print(f"01b_generate_synthetic: already complete ({r.get('num_done')} samples generated; train {r.get('train')}, "
-              f"eval {r.get('eval')}) in {layout.data}; use --overwrite to redo")
-        manifest.record("already_complete")
-        return 0
+    manifest.begin(overwrite, outputs=outputs)  # "complete" here: raw_responses.jsonl was damaged (above)
     done, todo = read_done(layout, prompts, report)
     if not overwrite:  # with --overwrite, checked before the outputs were deleted
         check_token_sources(cfg, layout, tokenizer, prompts, done)

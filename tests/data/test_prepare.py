@@ -181,7 +181,7 @@ def test_each_drop_reason_is_counted(tmp_path):
     assert report["counts"]["kept"] == 1
     assert report["counts"]["dropped"] == {
         "malformed_json": 2, "invalid_utf8": 1, "truncated_json_tail": 0, "bad_fields": 6, "no_user_turn": 1, "empty": 2,
-        "duplicate": 1, "over_max_samples": 1,
+        "no_answer": 0, "duplicate": 1, "over_max_samples": 1,
     }
     wheres = [(e["where"], e["reason"]) for e in report["skipped_examples"]]
     assert wheres[:4] == [(f"{src}:2", "malformed_json"), (f"{src}:3", "malformed_json"), (f"{src}:4", "invalid_utf8"),
