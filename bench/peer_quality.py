@@ -31,7 +31,9 @@ What is SpecForge's (its recipe, as its `specforge train` assembles it: training
   - the optimizer: its BF16Optimizer as _ConfiguredOptimizerFactory builds it: fp32 master copies, global-norm
     clip at training.max_grad_norm (0.5), torch AdamW with its defaults (betas 0.9/0.999, eps 1e-8, weight decay 0),
     the schedule training.lr_scheduler (cosine) with linear warm-up over int(training.warmup_ratio (0.015) * total
-    steps), total steps = the steps trained, cosine down to 0;
+    steps), total steps = the steps trained, cosine down to 0 (as is: without warm-up steps, i.e. below 67 steps,
+    torch's chained CosineAnnealingLR under its warm-up wrapper starts a little above lr, 1.106x at 5 steps, 1.001x
+    at 50, and repeats lr once);
   - precision: model.torch_dtype bfloat16 (draft parameters and the TargetHead in bf16, masters fp32); --precision
     fp32 is SpecForge's own torch_dtype float32 setting (like our CPU 04, which trains in fp32);
   - the batch: one SpecForge batch per our micro-batch, its samples right-padded to the longest (as its offline
@@ -100,7 +102,7 @@ class UserError(Exception):
 # ------------------------------------------------------------------------------------------------
 
 
-def open_run(cfg, device: torch.device):
+def open_run(cfg, device: torch.device, config_path="RUN.yaml"):
     """04's Trainer over this run, built as 04 builds it (inputs checked, the packed schedule opened), on one
     process. Nothing is written under the run (04's target hash cache under stages/ aside)."""
     from common.core.distributed import DistEnv
@@ -110,10 +112,10 @@ def open_run(cfg, device: torch.device):
     layout = Layout.of(cfg)
     if not layout.hidden_index.is_file():
         raise UserError(f"{layout.hidden_index} is missing: the run {layout.run_dir} has no extracted hidden states; "
-                        f"run 02_extract_hidden.py --config ... first")
+                        f"run 02_extract_hidden.py --config {config_path} first")
     if not layout.vocab_map.is_file():
         raise UserError(f"{layout.vocab_map} is missing: the run {layout.run_dir} has no vocab map; run "
-                        f"03_build_vocab_map.py --config ... first")
+                        f"03_build_vocab_map.py --config {config_path} first")
     cfg.extract.stream = False  # 02 must have finished: never wait for it
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -122,7 +124,7 @@ def open_run(cfg, device: torch.device):
 
 def initial_weights(trainer, target: dict) -> dict:
     """04's step-0 draft (Trainer.build_model: seed, target embedding, vocab map, init_lm_head, init_from) as a
-    CPU fp32 state dict; the trainer keeps its draft (the export template) and drops its optimizer and step."""
+    CPU fp32 state dict. The trainer then drops its draft, step, AdamW and teacher (the export builds its own draft)."""
     def say(*parts):  # 04's line about its own training step would mislead here; the rest (init_from) is kept
         line = " ".join(map(str, parts))
         if not line.startswith("04_train: step:"):
@@ -138,19 +140,37 @@ def initial_weights(trainer, target: dict) -> dict:
     return state
 
 
-def first_step_of_04(layout) -> dict | None:
-    """04's logged step 1 (train/metrics.jsonl), if any: from the same initial weights and the same first batch
-    as SpecForge's step 1, so the losses per counted position agree to rounding when both ran in fp32 with the same
-    config (a reference, not a check: 04 may have run with other settings)."""
-    from common.core.io import iter_jsonl
+# what decides 04's first micro-batches and the loss it logs for step 1 (before its first update)
+STEP_1_KEYS = {"train": ("seed", "batch_max_tokens", "grad_accum", "ttt_steps", "loss_decay", "loss_normalization",
+                         "init_lm_head", "init_from", "init_vocab"), "draft": None, "vocab": None}
 
-    if not layout.metrics.is_file():
-        return None
+
+def first_step_of_04(layout, cfg) -> dict:
+    """04's logged step 1 (train/metrics.jsonl) when train/final was trained with the settings that decide it
+    (training_summary.json's config): from the same initial weights and the same first batch as SpecForge's step 1,
+    so the losses per counted position agree to rounding when both ran in fp32. A reference, not a check."""
+    from common.core.io import iter_jsonl
+    from common.core.run_folder import TRAINING_SUMMARY
+
+    try:
+        ran = json.loads((layout.final / TRAINING_SUMMARY).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"missing": f"no readable {layout.final / TRAINING_SUMMARY}"}
+    now = json.loads(json.dumps(cfg.to_dict(), default=str))  # as training_summary.json holds it
+    differ = []
+    for section, keys in STEP_1_KEYS.items():
+        if keys is None:
+            differ += [section] if ran.get(section) != now.get(section) else []
+        else:
+            differ += [f"{section}.{k}" for k in keys if (ran.get(section) or {}).get(k) != now[section].get(k)]
+    if differ:
+        return {"missing": f"train/final was trained with other {', '.join(differ)}"}
     found = None
-    for row in iter_jsonl(layout.metrics, tolerate_torn_tail=True, strict=False):
-        if row.get("type") == "train" and row.get("step") == 1:
-            found = {"loss": row.get("loss"), "step_acc": row.get("step_acc")}
-    return found
+    if layout.metrics.is_file():
+        for row in iter_jsonl(layout.metrics, tolerate_torn_tail=True, strict=False):
+            if row.get("type") == "train" and row.get("step") == 1:
+                found = {"loss": row.get("loss"), "step_acc": row.get("step_acc")}
+    return found or {"missing": f"no step 1 in {layout.metrics}"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,7 +368,7 @@ def verify_export(cfg, out: Path, state: dict, embed: torch.Tensor) -> dict:
             raise RuntimeError(f"the export's {name} differs from the trained weights")
     checked = checked_draft(cfg, layout, str(out), foreign_draft=False)  # what 05 runs on --draft / --compare dirs
     result = {"loader": "common.model.export.load_exported_draft: ok", "sha256": checked.sha256,
-              "checked_draft": "common.evaluate.draft.checked_draft: ok", "offline_prediction": checked.offline.missing}
+              "checked_draft": "common.evaluate.draft.checked_draft: ok", "no_offline_prediction_because": checked.offline.missing}
     final_cfg = layout.final / CONFIG_NAME
     if final_cfg.is_file():
         ours, theirs = json.loads(final_cfg.read_text()), json.loads((out / CONFIG_NAME).read_text())
@@ -420,16 +440,17 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    import importlib.util
-    if importlib.util.find_spec("specforge") is None:
-        raise UserError("specforge is not importable: run this with the peer venv's python (bash bench/peer_setup.sh "
-                        "prints it)")
     overrides = list(args.overrides) + ([f"train.seed={args.seed}"] if args.seed is not None else [])
     cfg = load_config(args.config, overrides)
     layout = Layout.of(cfg)
     out = args.out or layout.run_dir / "peer" / "specforge"
     check_out_dir(out, layout)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    trainer = open_run(cfg, device, args.config)  # the run's inputs, checked as 04 checks them
+    import importlib.util
+    if importlib.util.find_spec("specforge") is None:
+        raise UserError("specforge is not importable: run this with the peer venv's python (bash bench/peer_setup.sh "
+                        "prints it)")
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     if args.backend == "auto":
         args.backend = "flex_attention" if device.type == "cuda" else "sdpa"
@@ -441,7 +462,6 @@ def run(args) -> int:
 
     import peer_bench as pb
 
-    trainer = open_run(cfg, device)
     total_steps = args.steps or trainer.total_steps
     draft_cfg = trainer.draft_cfg
     try:
@@ -498,12 +518,12 @@ def run(args) -> int:
         print(f"peer_quality: note: {settings['not_applied']}", flush=True)
 
     result = train(trainer, strategy, optimizer, args, device, dtype, total_steps)
-    ours_first = first_step_of_04(layout)
-    if ours_first is not None:
+    ours_first = first_step_of_04(layout, cfg)
+    if "loss" in ours_first:
         first = result["history"][0]
-        print(f"peer_quality: step 1 (same weights, same batch): loss per counted position {first['loss_per_counted']:.6g}, "
-              f"04's metrics.jsonl {ours_first['loss']:.6g} (equal to rounding when both ran fp32 with this config)",
-              flush=True)
+        print(f"peer_quality: step 1, from the same weights on the same batch: loss per counted position "
+              f"{first['loss_per_counted']:.6g}, 04's (train/metrics.jsonl) {ours_first['loss']:.6g} (equal to rounding "
+              f"when both ran in fp32)", flush=True)
     state = trained_state(strategy, optimizer, our_state)
     del draft, strategy, optimizer
     export(trainer, state, out)
