@@ -245,10 +245,10 @@ def generation_pending(cfg) -> bool:
     return any(p["id"] not in done and not has_answers(p) for p in prompts)
 
 
-def baseline_pending(cfg) -> bool:
+def baseline_pending(cfg, sets=None) -> bool:
     from common.evaluate.stage import missing_baselines
 
-    return bool(missing_baselines(cfg))
+    return bool(missing_baselines(cfg, sets))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -389,9 +389,9 @@ class Pipeline:
     def generate(self) -> None:
         """01b and the target-alone baseline of 05 share one server of the target."""
         self.current = "01b_generate_synthetic"
-        self.check_before_server()
+        sets = self.check_before_server()
         url = self.args.server_url
-        if url is None and (generation_pending(self.cfg) or baseline_pending(self.cfg)):
+        if url is None and (generation_pending(self.cfg) or baseline_pending(self.cfg, sets)):
             from common.evaluate.serve import target_server
 
             banner(f"[vllm] starting a vLLM server for {self.cfg.target.model}")
@@ -406,7 +406,7 @@ class Pipeline:
             self.stage("05_baseline", "05_evaluate.py", "--baseline-only", "--base-url", url)
         self.stop_server()
 
-    def check_before_server(self) -> None:
+    def check_before_server(self) -> dict:
         """What 01b and 05 would refuse without a server, checked before one starts (~100 s on a CPU): the chat
         template and the token-id source, prompts longer than server.max_model_len, and every prompt set of 05
         (readable, usable rows left, apart from the training split)."""
@@ -420,6 +420,7 @@ class Pipeline:
         status += f"; {len(sets)} prompt set(s) for 05: " + ", ".join(f"{n} {len(s.prompts)}" for n, s in sets.items())
         self.timings.append(("checks before vLLM", time.monotonic() - t0, status))
         print(f"--- checks before vLLM: {status}", flush=True)
+        return sets  # 05's prompt sets, read once: whether their baselines are cached is asked next
 
     def stop_server(self) -> None:
         if self.server is not None:

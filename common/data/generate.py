@@ -114,7 +114,7 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_target_tokenizer(cfg)
     manifest = stage_manifest(cfg, layout, tokenizer)
-    outputs = [layout.raw_responses, layout.train_jsonl, layout.eval_jsonl]
+    outputs = stage_outputs(layout)
     recorded = manifest.result.get("raw_responses_bytes")
     if not overwrite and manifest.is_complete(outputs):
         if recorded is None or raw_size(layout) == recorded:
@@ -180,6 +180,10 @@ def read_prompts(layout: Layout) -> tuple[list[dict], GenerateReport]:
     return prompts, GenerateReport(num_prompts=len(prompts), duplicate_prompt_ids=dup_prompts, skipped_prompts=dict(skipped))
 
 
+def stage_outputs(layout: Layout) -> list[Path]:
+    return [layout.raw_responses, layout.train_jsonl, layout.eval_jsonl]
+
+
 def raw_size(layout: Layout) -> int:
     return layout.raw_responses.stat().st_size if layout.raw_responses.exists() else 0
 
@@ -206,6 +210,8 @@ def check_before_server(cfg: Config) -> str:
     layout = Layout.of(cfg)
     prompts, report = read_prompts(layout)
     tokenizer = load_target_tokenizer(cfg)
+    if stage_manifest(cfg, layout, tokenizer).is_complete(stage_outputs(layout)):
+        return f"01b complete ({len(prompts)} prompts)"
     prompts = leave_out_unservable(cfg, tokenizer, prompts, report)
     check_token_sources(cfg, layout, tokenizer, prompts, {})  # the rows already done: 01b checks them itself
     answered = sum(map(has_answers, prompts))

@@ -152,9 +152,9 @@ def cached_baselines(cfg: Config, sets: dict[str, PromptSet]) -> dict[str, Basel
     return {name: b for name, s in sets.items() if (b := cached_baseline(cfg, s.prompts, name)) is not None}
 
 
-def missing_baselines(cfg: Config) -> list[str]:
-    """The prompt sets whose target-alone run is not cached yet."""
-    sets = load_prompt_sets(cfg)
+def missing_baselines(cfg: Config, sets: Optional[dict[str, PromptSet]] = None) -> list[str]:
+    """The prompt sets whose target-alone run is not cached yet (of `sets`, when the caller has read them)."""
+    sets = load_prompt_sets(cfg) if sets is None else sets
     return [name for name in sets if name not in cached_baselines(cfg, sets)]
 
 

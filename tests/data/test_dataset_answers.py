@@ -15,7 +15,7 @@ from common.core.config import load_config
 from common.core.errors import ConfigError
 from common.core.io import iter_jsonl
 from common.core.sources import keep_answered
-from common.data.generate import run_stage
+from common.data.generate import check_before_server, run_stage
 from common.data.prepare import prepare_prompts
 from common.target.tokenization import load_tokenizer
 
@@ -83,7 +83,9 @@ def test_dataset_answers_need_no_server_and_train_on_every_answer(tmp_path, writ
                                              m(A, "0 times 0 is 0.")]
     assert prompts["src-r5"]["messages"] == [m(U, "Name a color."), m(A, "Blue.")]
 
+    assert check_before_server(cfg) == "0 prompts to serve (5 with the dataset's answers), token ids from template: checked"
     assert run_stage(cfg) == 0
+    assert check_before_server(cfg) == "01b complete (5 prompts)"  # run_pipeline's rerun renders no prompt again
     raw = list(iter_jsonl(run_dir / "data" / "raw_responses.jsonl"))
     assert sorted(r["id"] for r in raw) == sorted(prompts) and all(r["answers"] == "dataset" for r in raw)
     samples = {s["id"]: s for s in iter_jsonl(run_dir / "data" / "train.jsonl")}
