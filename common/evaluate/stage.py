@@ -163,20 +163,25 @@ def save_baseline(cfg: Config, prompt_set: str, prompts: list[dict], baseline: B
                       {"key": baseline_key(cfg, prompts), "created": time.time(), **baseline.to_json()})
 
 
-def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT) -> Baseline:
+def measure_baseline(cfg: Config, base_url: str, prompts: list[dict], prompt_set: str = HELD_OUT,
+                     check=None) -> Baseline:
     """Run the prompts on a server of the target alone: turn 1, timed (with its step counters where the server's
-    /metrics answers: one read tells), then turn 2 where the set has later turns."""
+    /metrics answers: one read tells), then turn 2 where the set has later turns (its prompts counted with `check`,
+    a prompt_sets.ContextCheck: one tokenizer load for every set)."""
     serve.warm_up(cfg, base_url, prompts)
     desc = "target alone" + ("" if prompt_set == HELD_OUT else f" ({prompt_set})")
     scrape = (lambda: serve.scrape_or_none(base_url)) if serve.scrape_or_none(base_url) is not None else None
     run = serve.repeat_timing(cfg, base_url, prompts, serve.send_set(cfg, base_url, prompts, desc, scrape)[0], desc, scrape)
-    return Baseline(run, target_alone_turn_2(cfg, base_url, prompts, run, desc) if has_later_turns(prompts) else None)
+    if not has_later_turns(prompts):
+        return Baseline(run, None)
+    return Baseline(run, target_alone_turn_2(cfg, base_url, prompts, run, desc, check or context_check(cfg)))
 
 
-def target_alone_turn_2(cfg: Config, base_url: str, prompts: list[dict], turn_1: PromptRun, desc: str) -> SecondTurn:
+def target_alone_turn_2(cfg: Config, base_url: str, prompts: list[dict], turn_1: PromptRun, desc: str,
+                        check) -> SecondTurn:
     """Turn 2 built from the target's own turn-1 answers (their content: what a chat client sends back), and run."""
     answers = {pid: o.get("content") for pid, o in turn_1.outputs.items()}
-    prompts_2, left_out = second_turn_prompts(prompts, answers, context_check(cfg))
+    prompts_2, left_out = second_turn_prompts(prompts, answers, check)
     return SecondTurn(prompts_2, left_out, serve.send_set(cfg, base_url, prompts_2, f"{desc}, turn 2")[0] if prompts_2 else None)
 
 
@@ -186,10 +191,11 @@ def measure_baselines(cfg: Config, layout: Layout, sets: dict[str, PromptSet], b
     if not sets:
         return {}
     measured = {}
+    check = context_check(cfg) if any(has_later_turns(s.prompts) for s in sets.values()) else None
     with (contextlib.nullcontext(None) if base_url else
           serve.target_server(cfg, None, log_path=layout.log("vllm_eval_target"))) as server:
         for name, prompt_set in sets.items():
-            measured[name] = measure_baseline(cfg, base_url or server.base_url, prompt_set.prompts, name)
+            measured[name] = measure_baseline(cfg, base_url or server.base_url, prompt_set.prompts, name, check)
             if save:
                 save_baseline(cfg, name, prompt_set.prompts, measured[name])
     return measured
