@@ -66,8 +66,8 @@ class PromptSet:
 def first_user_turn(row: dict) -> list[dict]:
     """System turns and the first user turn of a data/prompts.jsonl row; [] when there is no user turn.
 
-    Multi-turn prompts carry only user turns (01_prepare_data drops the assistant ones), so
-    the first turn is the only one that can be sent without the target's own answers.
+    Later turns follow an answer that is not the target's own (none, or the dataset's with
+    data.answers dataset | fill), so the first turn is the only one sent as it stands.
     """
     messages = []
     for m in row.get("messages") or []:
