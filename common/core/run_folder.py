@@ -474,19 +474,20 @@ class StageManifest:
         errors, redo = self.changes()
         if errors:
             raise self.mismatch_error(errors)
-        if self.previous is None:
-            status = "fresh"
-        elif self.previous.get("state") == COMPLETE and not redo and all(os.path.exists(p) for p in outputs):
+        if self._recorded_complete(redo, outputs):
             return "complete"
-        else:
-            status = "resume"
+        status = "fresh" if self.previous is None else "resume"
         self._write(RUNNING, (self.previous or {}).get("result"), "running")
         return status
 
     def is_complete(self, outputs: Iterable[os.PathLike] = ()) -> bool:
         """What begin() would call "complete", found without writing anything (a stage skips its costly checks)."""
         errors, redo = self.changes()
-        return (not errors and not redo and self.previous is not None and self.previous.get("state") == COMPLETE
+        return not errors and self._recorded_complete(redo, outputs)
+
+    def _recorded_complete(self, redo: list, outputs: Iterable[os.PathLike]) -> bool:
+        """The record says complete, nothing asks for a redo, and every output is still there."""
+        return (self.previous is not None and self.previous.get("state") == COMPLETE and not redo
                 and all(os.path.exists(p) for p in outputs))
 
     @property

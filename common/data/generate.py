@@ -250,9 +250,9 @@ def read_done(layout: Layout, prompts: list[dict], report: GenerateReport) -> tu
         log.warning("%s holds %d duplicate id(s); using the first row of each", layout.raw_responses, dup_raw)
     report.duplicates_in_raw = dup_raw
     report.done_before = sum(1 for pid in done if pid in prompt_ids)
-    report.dataset_answers = copy_dataset_answers(layout.raw_responses, [p for p in prompts if p["id"] not in done])
-    if report.dataset_answers:
-        done, _ = load_done(layout.raw_responses)
+    copied = copy_dataset_answers(layout.raw_responses, [p for p in prompts if p["id"] not in done])
+    report.dataset_answers = len(copied)
+    done.update((row["id"], row) for row in copied)
     return done, [p for p in prompts if p["id"] not in done]
 
 

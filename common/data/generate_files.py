@@ -68,16 +68,16 @@ def has_answers(prompt: dict) -> bool:
     return prompt["messages"][-1]["role"] == "assistant"
 
 
-def copy_dataset_answers(path: Path, prompts: list[dict]) -> int:
+def copy_dataset_answers(path: Path, prompts: list[dict]) -> list[dict]:
     """Append the prompts that come answered to raw_responses.jsonl as finished rows (one place holds every
-    finished conversation, so resume and tokenization treat both kinds alike). Returns how many."""
-    answered = [p for p in prompts if has_answers(p)]
-    if answered:
-        with JsonlAppender(path, fsync_every=max(1, len(answered))) as out:
-            for p in answered:
-                out.write({"id": p["id"], "messages": p["messages"], "reasoning": "",
-                           "content": p["messages"][-1]["content"], "answers": "dataset"})
-    return len(answered)
+    finished conversation, so resume and tokenization treat both kinds alike). Returns the rows written."""
+    rows = [{"id": p["id"], "messages": p["messages"], "reasoning": "", "content": p["messages"][-1]["content"],
+             "answers": "dataset"} for p in prompts if has_answers(p)]
+    if rows:
+        with JsonlAppender(path, fsync_every=len(rows)) as out:
+            for row in rows:
+                out.write(row)
+    return rows
 
 
 def load_done(path: Path) -> tuple[dict[str, dict], int]:
