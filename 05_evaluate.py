@@ -21,9 +21,10 @@ NAME: outputs-NAME.jsonl, baseline-NAME.json).
                                    prompt set with both acceptance lengths and b - a. eval/report.json is
                                    left as it is.
 
-The offline prediction in the report is 04's for the draft measured: the draft is recognised
-among this run's train/final and train/best by its weights, and 04's eval at its step is the
-prediction (none, and the report says why, for a draft 04 did not export). A draft whose aux
+The offline prediction in the report is 04's for the draft measured: the prediction.json 04 wrote
+into the draft directory when it exported it (train/final, train/best, or a copy of either), its
+eval at the draft's step (none, and the report says why, for a directory without one: a draft 04
+did not export). A draft whose aux
 layer ids differ from this run's extraction is refused; --foreign-draft measures it anyway
 (e.g. a published draft for the same target), without this run's prediction.
 """
@@ -43,7 +44,8 @@ def add_arguments(parser):
 
 
 def run(cfg, args):
-    from common.core.run_folder import Layout, refuse_read_while_written
+    from common.core.run_folder import Layout
+    from common.core.stage_lock import refuse_read_while_written
 
     if not args.baseline_only:  # the draft(s) it measures: none under train/ while 04 writes there
         layout = Layout.of(cfg)

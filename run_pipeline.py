@@ -231,6 +231,18 @@ def check_target(cfg) -> None:
         )
 
 
+def check_draft_architecture(cfg) -> None:
+    """draft.architecture against the draft registry before 01 starts, not when 04 reaches it hours later (the
+    default needs no look-up, nor torch; with train.init_from, 04 checks the init's architecture)."""
+    from common.core.config import DraftConfig
+
+    if cfg.train.init_from or cfg.draft.architecture == DraftConfig().architecture:
+        return
+    from common.train.init_from import draft_family_for
+
+    draft_family_for(cfg)
+
+
 # ----------------------------------------------------------------------------- does 01b need a server?
 
 
@@ -385,6 +397,7 @@ class Pipeline:
             self.timings.append(("target", time.monotonic() - t0, status))
             print(f"--- target: {status}", flush=True)
         check_target(self.cfg)
+        check_draft_architecture(self.cfg)
 
     def generate(self) -> None:
         """01b and the target-alone baseline of 05 share one server of the target."""
@@ -477,7 +490,7 @@ class Pipeline:
         engine every round."""
         from common.core.errors import PipelineError
         from common.core.run_folder import read_manifest
-        from common.hidden.rounds import read_consumed
+        from common.hidden.index import read_consumed
 
         self.stage("04_train", "04_train.py")
         if self.cfg.extract.stream:  # 04 waited for 02's rounds as they came

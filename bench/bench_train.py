@@ -49,8 +49,7 @@ def worker(args) -> dict:
                            vocab_size=V, draft_vocab_size=Vd, target_hidden_size=Ht, aux_layer_ids=[1, 2, 3],
                            max_position_embeddings=max(4096, T + args.ttt_steps),
                            initializer_range=0.1)  # larger than the default 0.02: non-uniform attention, a real comparison
-    draft = Eagle3DraftModel(cfg)
-    draft.attention_impl = args.worker
+    draft = Eagle3DraftModel(cfg, attention=args.worker)
     d2t = torch.zeros(Vd, dtype=torch.long)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:Vd] = True

@@ -343,10 +343,9 @@ def check_out_dir(out: Path, layout) -> None:
 
 def export(trainer, state: dict, out: Path) -> dict:
     """The trained weights through our exporter (official EAGLE-3 format, bf16, the aux layer ids of hidden/)."""
-    from common.model.draft import Eagle3DraftModel
     from common.model.export import export_vllm_draft
 
-    model = Eagle3DraftModel(trainer.draft_cfg)
+    model = trainer.family.build(trainer.draft_cfg)
     model.load_state_dict(state, strict=True)
     export_vllm_draft(model, out, extra_config={"eagle_aux_hidden_state_layer_ids": list(trainer.source.index.aux_layer_ids)})
     return {"dir": str(out)}

@@ -84,7 +84,7 @@ def read_draft(path: Path, target: dict, target_path: Path):
     config_file = path / "config.json" if path.is_dir() else path
     if path.suffix in (".yaml", ".yml") and path.is_file():
         from common.core.config import load_config
-        from common.train.memory_plan import draft_config_from  # imports torch: only for a pipeline config
+        from common.train.memory_plan import draft_config_from  # imports torch (as sizing a known draft family does)
 
         return draft_config_from(load_config(path), target, str(target_path))
     try:

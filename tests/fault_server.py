@@ -19,7 +19,8 @@ server plays an old vLLM (token_ids=False) or the last user message holds NO_TOK
 
 Besides the chat route it serves GET /health, GET /v1/models, POST /tokenize (with a tokenize_fn) and
 GET /metrics (a KV cache of METRICS_KV_TOKENS tokens, as vLLM's `vllm:cache_config_info` says it);
-Faults.drip_s sends the answers of the routes in Faults.drip_paths one byte at a time.
+Faults.drip_s sends the answers of the routes in Faults.drip_paths one byte at a time (stats.faults["drip"]
+counts those answers begun, stats.faults["drip_done"] those sent to their last byte).
 
 CLI (manual experiments): python tests/fault_server.py --port 8001 --p-500 0.1
 """
@@ -155,8 +156,8 @@ class DripWriter:
     """A StreamWriter that sends what is written one byte per `seconds`: each read of the client is
     quick, the whole answer is not."""
 
-    def __init__(self, writer: asyncio.StreamWriter, seconds: float):
-        self._writer, self._seconds, self._pending = writer, seconds, b""
+    def __init__(self, writer: asyncio.StreamWriter, seconds: float, stats: Optional["Stats"] = None):
+        self._writer, self._seconds, self._pending, self._stats = writer, seconds, b"", stats
 
     def write(self, data: bytes) -> None:
         self._pending += data
@@ -166,6 +167,8 @@ class DripWriter:
         for i in range(len(pending)):
             if self._writer.transport.is_closing():  # the client gave up
                 raise ConnectionResetError("client closed the connection")
+            if i == len(pending) - 1 and self._stats is not None:  # counted before the client can have it all
+                self._stats.faults["drip_done"] += 1  # an answer dripped to its end: its client could wait for all of it
             self._writer.write(pending[i:i + 1])
             await self._writer.drain()
             await asyncio.sleep(self._seconds)
@@ -265,7 +268,7 @@ class FaultServer:
                 drip = self.faults.drip_s > 0 and path in self.faults.drip_paths
                 if drip:
                     self.stats.faults["drip"] += 1
-                keep_open = await self._route(method, path, body, DripWriter(writer, self.faults.drip_s) if drip else writer)
+                keep_open = await self._route(method, path, body, DripWriter(writer, self.faults.drip_s, self.stats) if drip else writer)
                 if not keep_open:
                     return
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):

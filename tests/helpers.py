@@ -485,7 +485,7 @@ def error_line(res, *fragments: str) -> str:
 
 HOLDER = """
 import sys, time
-from common.core.run_folder import stage_lock
+from common.core.stage_lock import stage_lock
 with stage_lock(sys.argv[1], sys.argv[2]):
     print("locked", flush=True)
     time.sleep(600)

@@ -58,7 +58,7 @@ def _stage_lock(cfg, stage: str, overwrite: bool):
     """One copy of a stage per run_dir, and no --overwrite while a stage that reads this one's outputs
     runs. Under torchrun only global rank 0 takes the lock: the ranks of one launch are one copy (a
     second launch fails on its rank 0, and torchrun stops the rest)."""
-    from common.core.run_folder import refuse_overwrite_while_read, stage_lock
+    from common.core.stage_lock import refuse_overwrite_while_read, stage_lock
 
     if int(os.environ.get("RANK", "0")) != 0:
         yield

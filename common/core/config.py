@@ -137,11 +137,10 @@ class TokenizeConfig:
     max_seq_len: Annotated[int, Range(ge=8, le=2**24)] = 2048
     # What to do with samples longer than max_seq_len: "truncate" or "drop".
     overlong: Literal["truncate", "drop"] = "truncate"
-    # Where 01b takes a sample's token ids from: "template" re-renders the stored conversation
-    # with the tokenizer's chat template (loss on every assistant turn); "server" asks vLLM for
-    # the exact ids (`return_token_ids`, vLLM >= 0.10): the last turn's prompt ids (loss 0) +
-    # its completion ids (loss 1). "server" is needed when the template cannot reproduce what
-    # the model generated (e.g. Kimi-K2.5 strips the reasoning of the turn it renders).
+    # Where 01b takes a sample's token ids from: "template" re-renders the stored conversation with the tokenizer's
+    # chat template (loss on every assistant turn); "server" asks vLLM for the exact ids (`return_token_ids`, vLLM
+    # >= 0.10): the last turn's prompt ids (loss 0) + its completion ids (loss 1). "server" is needed when the
+    # template cannot reproduce what the model generated (e.g. Kimi-K2.5 strips the reasoning of the turn it renders).
     token_ids_from: Literal["template", "server"] = "template"
 
 
@@ -183,6 +182,7 @@ class VocabConfig:
 
 @dataclass
 class DraftConfig:
+    architecture: str = "LlamaForCausalLMEagle3"  # the draft family (common/model/draft/registry.py); init_from's wins
     # null = same as the target.
     hidden_size: Optional[Annotated[int, Range(ge=1, le=2**17)]] = None
     intermediate_size: Optional[Annotated[int, Range(ge=1, le=2**20)]] = None

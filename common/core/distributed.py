@@ -129,10 +129,12 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return reduced.to(t.device)
 
 
-def wrap_parallel(draft: nn.Module, env: DistEnv, parallel: str, dtype: torch.dtype) -> nn.Module:
+def wrap_parallel(draft: nn.Module, env: DistEnv, parallel: str, dtype: torch.dtype,
+                  unit_classes: tuple[type, ...] = ()) -> nn.Module:
     """04's draft, ready for data-parallel training: "ddp" replicates it and averages gradients;
     "fsdp" (FSDP2) shards the trainable weights, gradients and optimizer state as one unit (the whole
-    draft); the frozen target embedding stays replicated.
+    draft), plus a unit per submodule of `unit_classes` (the draft family's fsdp_unit_classes; the Llama
+    EAGLE-3 family has none); the frozen target embedding stays replicated.
     ttt_loss calls the wrapped module (`model(...)`), so the DDP/FSDP hooks see every forward."""
     if not env.distributed:
         return draft
@@ -147,6 +149,9 @@ def wrap_parallel(draft: nn.Module, env: DistEnv, parallel: str, dtype: torch.dt
         # its weights in the backward of every step and reduce-scatters them again (7 all-gathers per micro-batch
         # at the Kimi config, ~30 GB per optimizer step over PCIe). As one unit, the draft is gathered once before
         # the steps and stays gathered through their backward (a 1-layer draft has nothing to overlap with).
+        for module in [m for m in draft.modules() if m is not draft and isinstance(m, unit_classes)]:
+            fully_shard(module, mp_policy=mp, ignored_params=frozen & set(module.parameters()) or None,
+                        reshard_after_forward=False)
         fully_shard(draft, mp_policy=mp, ignored_params=frozen, reshard_after_forward=False)
         return draft
     ddp = DDP(draft, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)

@@ -10,9 +10,8 @@ Three things every stage shares (docs/design.md#run-folder):
   inputs or settings differ is an error that names them and suggests --overwrite (never a silent
   mix), unless the stage declares that a change only means "redo" (it rewrites those outputs
   whole, e.g. 01b retokenizes after a tokenize.* change).
-- `stage_lock`: an exclusive flock on run_dir/stages/<stage>.lock, held for the stage's life.
-  The OS releases it when the process dies (SIGKILL included), so a lock is never stale; a
-  second copy fails at once with the holder's pid.
+- `stage_lock` (common/core/stage_lock.py): an exclusive flock on run_dir/stages/<stage>.lock, held
+  for the stage's life, and the refusals that keep one stage from deleting what another reads.
 
 Fingerprints are sha256 of file contents, cached in run_dir/stages/hashes.json by (path, size,
 mtime_ns) so a multi-GB input is read once. Shards are fingerprinted through hidden/index.json,
@@ -24,18 +23,15 @@ moved elsewhere is the same input.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256
@@ -46,6 +42,7 @@ HASH_CACHE = "hashes.json"
 # eval/baseline.json), evaluate.other_prompts ("other") and evaluate.prompt_sets (files suffixed -NAME).
 HELD_OUT, OTHER = "held_out", "other"
 TRAINING_SUMMARY, BEST_JSON = "training_summary.json", "best.json"  # in train/final/ and train/best/
+PREDICTION_JSON = "prediction.json"  # in every export of 04: the eval that predicts it (05 reads it)
 
 
 @dataclass(frozen=True)
@@ -213,11 +210,6 @@ class Layout:
     def best(self) -> Path:
         """04's export of the checkpoint with the best replayed acceptance length, with best.json."""
         return self.train / "best"
-
-    @property
-    def export_records(self) -> dict[Path, str]:
-        """04's exports and the file in each that records what it is (its step among them)."""
-        return {self.final: TRAINING_SUMMARY, self.best: BEST_JSON}
 
     @property
     def best_tmp(self) -> Path:
@@ -533,107 +525,3 @@ def last_outcome(run_dir: str | os.PathLike, stage: str) -> str | None:
     """What the last run of `stage` did ("done", "already_complete", "partial", "failed"), from its manifest."""
     m = read_manifest(Layout.of(run_dir), stage)
     return ((m or {}).get("last_run") or {}).get("outcome")
-
-
-# ----------------------------------------------------------------------------- the lock
-
-
-class StageBusy(PipelineError):
-    """Another process holds the stage's lock."""
-
-
-# A probe of another stage's lock (lock_holder) holds it shared for a moment: a stage starting in that
-# moment retries this long before it calls the lock busy.
-_LOCK_RETRY_S = 0.5
-
-
-@contextlib.contextmanager
-def stage_lock(run_dir: str | os.PathLike, stage: str) -> Iterator[None]:
-    """Hold run_dir/stages/<stage>.lock exclusively for the block (flock: released by the OS
-    when the process exits or dies, so it is never stale). A second holder raises StageBusy."""
-    layout = Layout.of(run_dir)
-    path = layout.lock(stage)
-    try:
-        layout.stages.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        raise PipelineError(f"cannot create the stage lock {path} ({e.strerror}); make run_dir {layout.run_dir} writable "
-                            f"or point run_dir elsewhere") from None
-    try:
-        deadline = time.monotonic() + _LOCK_RETRY_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.02)
-                    continue
-                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-                raise StageBusy(
-                    f"{stage} is already running on {layout.run_dir} (pid {holder}, lock {path}); wait for it to finish "
-                    f"or stop that process, then rerun"
-                ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing releases the flock; the file stays (unlinking it would race a waiter)
-
-
-def lock_holder(run_dir: str | os.PathLike, stage: str) -> str | None:
-    """The pid (as written in the lock file) of the process running `stage` on run_dir, or None when
-    none does. Probes with a shared, non-blocking flock that is dropped at once; touches nothing."""
-    path = Layout.of(run_dir).lock(stage)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None  # never locked here
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-# Which stages read which stages' outputs while they run (docs/design.md#run-folder). --overwrite
-# deletes a stage's outputs, so it is refused while a reader of them runs: a reader would go on with
-# files of two generations (02 --overwrite under a running 04 gave a draft labelled with the old aux ids).
-READS_FROM = {
-    "01b_generate_synthetic": ("01_prepare_data",),
-    "02_extract_hidden": ("01b_generate_synthetic",),
-    "03_build_vocab_map": ("01b_generate_synthetic",),
-    "04_train": ("02_extract_hidden", "03_build_vocab_map"),
-    "05_evaluate": ("01_prepare_data", "04_train"),
-}
-
-
-def refuse_overwrite_while_read(run_dir: str | os.PathLike, stage: str) -> None:
-    """Raise StageBusy when a stage that reads `stage`'s outputs is running on run_dir."""
-    for reader, sources in READS_FROM.items():
-        holder = lock_holder(run_dir, reader) if stage in sources else None
-        if holder is not None:
-            raise StageBusy(
-                f"{stage} --overwrite would delete what {reader} is reading: {reader} is running on "
-                f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")
-
-
-def refuse_read_while_written(run_dir: str | os.PathLike, reader: str, writer: str, outputs: os.PathLike,
-                              reads: Iterable[os.PathLike]) -> None:
-    """Raise StageBusy when `reader` would read under `outputs` (the folder `writer` writes) while `writer` runs on
-    run_dir: 05 measuring train/final while 04 runs, whose --overwrite deletes it and whose export replaces it.
-    The reader holds its own lock meanwhile, so a writer's --overwrite that starts later is refused (READS_FROM)."""
-    # realpath, not resolve(): a symlink loop given as --draft is found unreadable later with one error line
-    root = Path(os.path.realpath(outputs))
-    inside = [Path(p) for p in reads if Path(os.path.realpath(p)).is_relative_to(root)]
-    holder = lock_holder(run_dir, writer) if inside else None
-    if holder is not None:
-        raise StageBusy(
-            f"{reader} would read {inside[0]}, which {writer} is writing: {writer} is running on "
-            f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")

@@ -25,11 +25,11 @@ from common.core.run_folder import Layout
 def load_prompts(path: Path, skipped: Counter | None = None) -> tuple[list[dict], int]:
     """prompts.jsonl -> (prompts in file order with unique ids, number of duplicate ids dropped).
 
-    Messages pass stage 01's rules (common.data.prepare.row_messages + keep_prompt): a row that 01
+    Messages pass stage 01's rules (common.core.sources: row_messages + keep_prompt): a row that 01
     would drop (a message without a role, an unknown role, no non-empty user turn) is never sent;
     it is counted in `skipped` under 01's reason.
     """
-    from common.data.prepare import BadFields, keep_answered, keep_prompt, row_messages
+    from common.core.sources import BadFields, keep_answered, keep_prompt, row_messages
 
     if not path.is_file():
         raise DataError(f"prompts file not found: {path}; run 01_prepare_data.py with the same config first")

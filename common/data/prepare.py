@@ -45,7 +45,7 @@ from typing import Callable, Optional
 from common.core.errors import DataError
 from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
 from common.core.run_folder import Layout, StageManifest, combined_fingerprint, input_identity
-from common.core.sources import BadFields, iter_source, keep_answered, keep_prompt, local_source_files, row_messages  # noqa: F401 (01b)
+from common.core.sources import BadFields, iter_source, keep_answered, keep_prompt, local_source_files, row_messages
 
 DROP_REASONS = ("malformed_json", "invalid_utf8", "truncated_json_tail", "bad_fields", "no_user_turn", "empty", "no_answer",
                 "duplicate", "over_max_samples")

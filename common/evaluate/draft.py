@@ -3,10 +3,10 @@
 - `checked_draft`: the draft directory (this run's train/final, or --draft DIR), its config.json read and
   its aux layer ids checked against this run's before vLLM sees it, the fingerprint of its weights, and
   04's prediction for it: a `CheckedDraft`.
-- `offline_prediction`: the draft is found among this run's exports (train/final, train/best) by its
-  weights, at any path; its step is read from that export, and 04's eval at that step is the prediction
-  (the replay of vLLM's rounds, common.model.acceptance, or the product formula). A draft 04 did not
-  export gets none, and says why (`Offline.missing`).
+- `offline_prediction`: the prediction.json 04 wrote into the draft directory when it exported it
+  (train/final, train/best; common.train.export): 04's eval at the export's step, wherever the directory
+  was copied to, is the prediction (the replay of vLLM's rounds, common.model.acceptance, or the product
+  formula). A draft directory without one gets none, and says why (`Offline.missing`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Optional
 
 from common.core.config import Config
 from common.core.errors import DataError, PipelineError
-from common.core.io import file_sha256, iter_jsonl, read_json
-from common.core.run_folder import Layout, content_fingerprint
+from common.core.io import file_sha256, read_json
+from common.core.run_folder import PREDICTION_JSON, Layout, content_fingerprint
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def check_draft(cfg: Config, draft: Path, foreign_draft: bool) -> None:
     prediction says nothing about it."""
     from common.model.export import read_draft_config
 
-    ids = read_draft_config(draft).aux_layer_ids
+    ids = read_draft_config(draft, any_architecture=True).aux_layer_ids  # vLLM serves drafts of more families than 04 trains
     run_ids, source = run_aux_layer_ids(cfg)
     if run_ids is not None and ids != run_ids and not foreign_draft:
         raise DataError(
@@ -117,68 +117,37 @@ def checked_draft(cfg: Config, layout: Layout, draft_dir: Optional[str], foreign
     draft = find_draft(cfg, draft_dir)
     check_draft(cfg, draft, foreign_draft)
     sha = draft_fingerprint(draft, layout)
-    offline = Offline(missing="--foreign-draft: not this run's draft") if foreign_draft else offline_prediction(cfg, draft, sha)
+    offline = Offline(missing="--foreign-draft: not this run's draft") if foreign_draft else offline_prediction(cfg, draft)
     return CheckedDraft(draft, sha, offline)
 
 
 # ----------------------------------------------------------------------------- 04's prediction
 
 
-def eval_at_step(layout: Layout, step: int) -> tuple[Optional[dict], Path]:
-    """04's eval at `step` and the file it is in: train/eval_report.json when it is that step's (the
-    latest eval), else the eval line of train/metrics.jsonl (04 logs every eval there, in full)."""
+def offline_prediction(cfg: Config, draft: Path) -> Offline:
+    """04's offline prediction for this very draft, or why there is none: DRAFT/prediction.json, which 04 writes
+    into each draft it exports (common.train.export.prediction_record). It travels with the weights it predicts:
+    `--draft RUN/train/best`, or a copy of it anywhere, is compared with the best checkpoint's eval, never the
+    final draft's."""
+    path = draft / PREDICTION_JSON
+    if not os.path.lexists(path):
+        return Offline(missing=f"{draft} has no {PREDICTION_JSON}: 04 predicted nothing for it (04_train.py writes one "
+                               f"into each draft it exports, train/final and train/best; this one is another run's, a "
+                               f"published one, or an export of an earlier version of 04_train.py)")
     try:
-        latest = read_json(layout.train_eval_report) if layout.train_eval_report.is_file() else None
-    except (DataError, OSError):  # unreadable: the eval is looked up in metrics.jsonl
-        latest = None
-    if isinstance(latest, dict) and latest.get("step") == step:
-        return latest, layout.train_eval_report
-    if not layout.metrics.is_file():
-        return None, layout.metrics
-    found = None
-    for row in iter_jsonl(layout.metrics, tolerate_torn_tail=True, strict=False):
-        if row.get("type") == "eval" and row.get("step") == step:
-            found = row  # the last one: a resumed run logs the steps after its checkpoint again
-    return found, layout.metrics
-
-
-def offline_prediction(cfg: Config, draft: Path, draft_sha: str) -> Offline:
-    """04's offline prediction for this very draft, or why there is none.
-
-    The draft is found among this run's exports by its weights (train/final, train/best, at any path),
-    its step read from that export (training_summary.json, best.json), and the prediction is 04's eval
-    at that step: `--draft RUN/train/best` is compared with the best checkpoint's prediction, never the
-    final draft's.
-    """
-    layout = Layout.of(cfg)
-    exports = layout.export_records
-    # the very files: nothing to compare (realpath: an export that is a symlink loop is no match, not a RuntimeError)
-    same = [d for d in exports if os.path.realpath(d) == os.path.realpath(draft)]
-
-    def same_weights(d: Path) -> bool:
-        try:
-            return draft_fingerprint(d, layout) == draft_sha
-        except PipelineError:  # no export there
-            return False
-
-    export = same[0] if same else next((d for d in exports if same_weights(d)), None)
-    if export is None:
-        return Offline(missing=f"{draft} has other weights than this run's train/final and train/best: 04 predicted nothing for it")
-    try:
-        record = read_json(export / exports[export])
+        record = read_json(path)
     except (DataError, OSError) as e:  # OSError: a symlink loop, a directory or no permission there
-        return Offline(missing=f"cannot tell which step {export} is ({e})")
-    step = record.get("step") if isinstance(record, dict) else None
-    if not isinstance(step, int):
-        return Offline(missing=f"{export / exports[export]} records no step: cannot tell which eval predicts it")
-    rep, path = eval_at_step(layout, step)
-    if rep is None:
-        return Offline(missing=f"04 logged no eval at step {step}, the step of {export} ({path})")
-    return Offline(prediction=offline_report(cfg, rep, path, export))
+        return Offline(missing=f"cannot read 04's prediction {path} ({e}); re-export the draft (rerun 04_train.py)")
+    if isinstance(record, dict) and isinstance(record.get("eval"), dict):
+        return Offline(prediction=offline_report(cfg, record["eval"], path, draft))
+    if isinstance(record, dict) and isinstance(record.get("missing"), str):  # 04 had no eval at the export's step
+        return Offline(missing=f"{record['missing']} ({path})")
+    return Offline(missing=f"{path} holds neither 04's eval nor why there is none (an object with \"eval\" or "
+                           f"\"missing\"); re-export the draft (rerun 04_train.py)")
 
 
-def offline_report(cfg: Config, rep: dict, path: Path, export: Path) -> dict:
-    """The offline prediction of vLLM's numbers from 04's eval at the draft's step.
+def offline_report(cfg: Config, rep: dict, path: Path, draft: Path) -> dict:
+    """The offline prediction of vLLM's numbers from 04's eval at the draft's step (`path`: the file it is in).
 
     At k = evaluate.num_speculative_tokens: expected_acceptance_length and expected_per_position
     are the replay of vLLM's rounds (common.model.acceptance) when 04 reported it ("prediction": "replay"),
@@ -193,7 +162,7 @@ def offline_report(cfg: Config, rep: dict, path: Path, export: Path) -> dict:
         tau = product_formula(acc, k)
     product = {"acceptance_length": tau, "per_position": product_per_position(acc, k)}
     replay = (rep.get("replay") or {}).get(str(k))
-    out = {"path": str(path), "draft": str(export), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
+    out = {"path": str(path), "draft": str(draft), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
            "product_formula": product}
     if replay:
         return out | {"prediction": "replay", "expected_acceptance_length": replay["acceptance_length"],

@@ -17,7 +17,7 @@ Rounds under a disk budget (extract.max_disk_gb; docs/design.md#rounds-under-a-d
   (what is due, what may be deleted) is common.hidden.rounds' (HiddenPlan).
 - The budget covers every file in hidden/: beside the shards (bounded by shard_bytes), make_plan reserves
   plan.json's "reserve_bytes" for the bookkeeping (plan.json, index.json, index fragments, consumed.json and the
-  temp copies of their atomic rewrites; common.hidden.rounds.bookkeeping_bytes), measured on the plan itself.
+  temp copies of their atomic rewrites; common.hidden.index.bookkeeping_bytes), measured on the plan itself.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from common.core.errors import ConfigError, DataError
 from common.core.io import atomic_write_text, file_sha256, format_bytes
 from common.core.run_folder import Layout, StageManifest
 from common.extract.scan import InputSample, SplitScan, scan_split, shard_order
-from common.hidden.rounds import HiddenPlan, bookkeeping_bytes
-from common.hidden.shards import FORMAT_VERSION, bytes_per_token, index_header, json_text
+from common.hidden.index import bookkeeping_bytes, index_header, json_text
+from common.hidden.rounds import HiddenPlan
+from common.hidden.shards import FORMAT_VERSION, bytes_per_token
 from common.target.loading import target_fingerprint
 
 log = logging.getLogger("extract")
@@ -59,7 +60,7 @@ def plan_settings(cfg, info) -> dict:
 
 
 def plan_header(cfg, layout: Layout, plan: HiddenPlan) -> dict:
-    """index.json's header for this plan (common.hidden.shards.index_header)."""
+    """index.json's header for this plan (common.hidden.index.index_header)."""
     return index_header(plan.settings, cfg.target.model, plan.doc["inputs"], target_fingerprint(layout, cfg.target.model))
 
 

@@ -12,7 +12,8 @@ Batching and memory
 - Shards are written to a temp name and renamed (common.hidden.shards.write_shard); the index is rewritten
   atomically after every shard with the shard's sha256 (computed while writing). Under torchrun each rank
   writes an index fragment (Layout.index_fragment, atomic) and rank 0 merges the fragments into index.json
-  after each of its shards (the merge is a pure function of the fragments, so it is idempotent).
+  after each of its shards (common.hidden.index.record_entries: the merge is a pure function of the fragments,
+  so it is idempotent).
 
 Backends (extract.backend; docs/design.md#hidden-state-extraction-through-vllm)
 - hf: the target in transformers (common/extract/hf_backend.py). The reference, and for targets vLLM cannot
@@ -41,8 +42,9 @@ from tqdm import tqdm
 from common.core.io import format_bytes
 from common.core.run_folder import Layout, remember_fingerprint
 from common.extract.scan import read_shard_samples
+from common.hidden.index import record_entries, shard_entry
 from common.hidden.rounds import HiddenPlan
-from common.hidden.shards import build_index, read_entries, shard_entry, write_fragment, write_index, write_shard
+from common.hidden.shards import write_shard
 
 if TYPE_CHECKING:  # torch is imported only when the stage runs
     from common.core.distributed import DistEnv
@@ -103,11 +105,7 @@ def extract_shards(cfg, layout: Layout, plan: HiddenPlan, header: dict, mine: li
         remember_fingerprint(layout, layout.hidden / name, entry["sha256"])  # 04 checks it without reading it again
         my_entries[name] = entry
         entries[name] = entry
-        if env.distributed:
-            write_fragment(layout.index_fragment(env.rank), env.rank, list(my_entries.values()))
-        if env.is_main:
-            merged = {**read_entries(layout.hidden_index, layout.index_fragments()), **entries} if env.distributed else entries
-            write_index(layout.hidden_index, build_index(header, plan.shards, merged))
+        record_entries(layout, env, header, plan.shards, my_entries, entries)
         stats.bytes += entry["bytes"]
         bar.set_postfix_str(f"{format_bytes(stats.bytes)} written", refresh=False)
 

@@ -1,7 +1,8 @@
 """Stage 02: run the target over every tokenized sample and store the hidden states EAGLE-3 trains on.
 
 Output under run_dir/hidden/ (docs/design.md#artifact-formats; paths from common.core.run_folder.Layout):
-    the shards and index.json, in the format common.hidden.shards owns (writer, index, verification):
+    the shards (their format, writer and verification: common.hidden.shards) and index.json (with its rank
+    fragments under torchrun: common.hidden.index):
         one row per token, samples concatenated; per shard, the index lists file, split, sample_ids (in
         shard order), num_tokens, sha256, bytes; "complete" once every planned shard is written
     plan.json    which samples go in which shard, fixed before the first forward pass (common.extract.planning)
@@ -40,7 +41,6 @@ rank k % world_size; rank 0 merges the ranks' index fragments into index.json on
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import shutil
 from dataclasses import asdict, dataclass
@@ -53,8 +53,9 @@ from common.core.run_folder import Layout, StageManifest
 from common.extract.planning import load_plan, make_plan, plan_header, plan_settings, shard_bytes, write_plan
 from common.extract.scan import input_paths
 from common.extract.shard_loop import ExtractStats, extract_shards, open_extractor
-from common.hidden.rounds import HiddenPlan, delete_not_due, read_consumed
-from common.hidden.shards import build_index, describe_bytes_per_token, read_entries, verify_entry, write_index
+from common.hidden.index import build_index, drop_fragments, merge_index, read_consumed, read_entries, read_index, write_index
+from common.hidden.rounds import HiddenPlan, delete_not_due
+from common.hidden.shards import describe_bytes_per_token, verify_entry
 from common.hidden.stream import StreamWait
 from common.target.loading import target_fingerprint
 
@@ -152,8 +153,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
                     stats += extract_shards(cfg, layout, plan, header, mine, due.entries, env, extractor, busiest)
                     barrier(env)
                     if env.is_main:
-                        write_index(layout.hidden_index, build_index(header, plan.shards,
-                                                                     read_entries(layout.hidden_index, layout.index_fragments())))
+                        merge_index(layout, header, plan.shards)
                 if not streaming:
                     break
                 due = on_rank0(lambda: next_in_stream(cfg, layout, plan, header, wait), env)
@@ -190,11 +190,9 @@ def _nothing_to_extract(cfg, info, layout: Layout, due: Due, env: DistEnv) -> di
 def _report_extracted(cfg, info, layout: Layout, due: Due, stats: ExtractStats) -> bool:
     """Rank 0 after extracting: the final index.json, the summary line and 02's manifest. Returns whether every
     planned shard is extracted."""
-    index = build_index(due.header, due.plan.shards, read_entries(layout.hidden_index, layout.index_fragments()))
-    write_index(layout.hidden_index, index)
+    index = merge_index(layout, due.header, due.plan.shards)
     if index["complete"]:
-        for frag in layout.index_fragments():
-            frag.unlink(missing_ok=True)
+        drop_fragments(layout)
     state = "done" if index["complete"] else "round done" if due.note else "INCOMPLETE"
     # Under rounds the index also counts the rounds 04 trained and deleted: say what hidden/ holds now too.
     where = (f"{format_bytes(index['bytes'])} extracted so far, {format_bytes(folder_bytes(layout.hidden))} in "
@@ -253,29 +251,19 @@ def prepare(cfg, info, layout: Layout, fresh: HiddenPlan | None = None) -> Due:
     if due.nothing_due:
         # an index written before 02 recorded target_weights stays as it is: 04 fingerprints index.json
         if existing not in (index, {k: v for k, v in index.items() if k != "target_weights"}):
-            write_index(layout.hidden_index, index)
-        for frag in layout.index_fragments():
-            frag.unlink(missing_ok=True)
+            write_index(layout, index)
+        drop_fragments(layout)
         return due
     if fresh is None:  # check_overwrite checked the disk before the deletion
         check_disk_for(cfg, layout, plan, due.header, due.todo)
-    write_index(layout.hidden_index, index)
+    write_index(layout, index)
     return due
-
-
-def read_index(layout: Layout) -> dict:
-    """index.json as it is on disk; {} when there is none or it is unreadable (survey verifies its shards again)."""
-    try:
-        doc = json.loads(layout.hidden_index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def next_in_stream(cfg, layout: Layout, plan: HiddenPlan, header: dict, wait: StreamWait) -> Due:
     """Streaming, rank 0: wait until 04 has freed room for the next round (or everything is extracted);
     then what is due, like prepare() returns it."""
-    known = read_entries(layout.hidden_index, layout.index_fragments())  # written or verified by this process
+    known = read_entries(layout)  # written or verified by this process
     while True:
         due = survey(cfg, layout, plan, header, known)
         if not due.nothing_due:
@@ -316,7 +304,7 @@ def survey(cfg, layout: Layout, plan: HiddenPlan, header: dict, known: dict[str,
         wanted = plan.due_files(consumed)
         delete_not_due(layout, plan, consumed)  # a kill may come between 04's record of a round and its deletion
         gone = plan.files_of_rounds(consumed)  # their entries stay in the index: 04 trained on them
-        kept = {f: e for f, e in read_entries(layout.hidden_index, layout.index_fragments()).items() if f in gone}
+        kept = {f: e for f, e in read_entries(layout).items() if f in gone}
         note = plan.describe_due(consumed)
     else:
         wanted = plan.due_files(set())
@@ -327,7 +315,7 @@ def survey(cfg, layout: Layout, plan: HiddenPlan, header: dict, known: dict[str,
 
 def verified_shards(cfg, layout: Layout, plan: HiddenPlan, wanted: set[str]) -> dict[str, dict]:
     """The index entries of the wanted planned shards that are on disk and sound (extract.verify)."""
-    entries = read_entries(layout.hidden_index, layout.index_fragments())
+    entries = read_entries(layout)
     planned = {f: s for f, s in plan.by_file.items() if f in wanted}
     good: dict[str, dict] = {}
     to_hash = sum(e.get("bytes") or 0 for n, e in entries.items() if n in planned) if cfg.extract.verify == "sha256" else 0

@@ -1,12 +1,14 @@
 """The rounds protocol under a disk budget (docs/design.md#rounds-under-a-disk-budget): the one module that reads
-hidden/plan.json's rounds and hidden/consumed.json, and says what is due, what was trained and what may be deleted.
+hidden/plan.json's rounds, and says from them and hidden/consumed.json (common.hidden.index's: read_consumed,
+mark_trained) what is due and what may be deleted.
 
 When the hidden states of the whole data set do not fit extract.max_disk_gb, 02 cuts each epoch's train samples
 into rounds (common.extract.planning.plan_rounds) and writes them in plan.json. Then:
 
     02  extracts the eval shards first (a streaming 04 starts on them), then the rounds due now: the first one not
         consumed and the ones after it while they fit the budget together (HiddenPlan.rounds_on_disk).
-    04  trains a round, checkpoints, records it in consumed.json, then deletes its shards (mark_trained, rank 0).
+    04  trains a round, checkpoints, records it in consumed.json, then deletes its shards (rank 0,
+        common.hidden.index.mark_trained).
 
 Who deletes what:
     04           a trained round's train shards, after its checkpoint and its record in consumed.json;
@@ -23,14 +25,12 @@ HiddenPlan.read returns the plan with rounds None, and every train shard is due.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-from common.core.errors import DataError
 from common.core.io import read_json
-from common.hidden.shards import build_index, check_format_version, json_text, shard_entry, write_json
+from common.hidden.shards import check_format_version
 
 if TYPE_CHECKING:
     from common.core.run_folder import Layout
@@ -143,38 +143,8 @@ class HiddenPlan:
 
 
 def extracted(files: Iterable[str], listed: dict[str, dict], hidden_dir: Path) -> bool:
-    """Whether these shards are all indexed (in `listed`: common.hidden.shards.read_entries) and on disk."""
+    """Whether these shards are all indexed (in `listed`: common.hidden.index.read_entries) and on disk."""
     return all(f in listed and (hidden_dir / f).is_file() for f in files)
-
-
-# ---------------------------------------------------------------------------------------------
-# hidden/consumed.json: the rounds 04 has trained on (and deleted)
-# ---------------------------------------------------------------------------------------------
-
-
-def read_consumed(layout: "Layout") -> set[int]:
-    """The rounds 04 has trained on and deleted; none when the file is absent."""
-    path = layout.hidden_consumed
-    if not path.is_file():
-        return set()
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return {int(r) for r in doc["rounds"]}
-    except (ValueError, KeyError, TypeError):
-        raise DataError(f"{path} is unreadable; it lists the rounds 04 has trained on: delete it and rerun 04_train.py "
-                        f"(it rewrites it from its checkpoint)") from None
-
-
-def write_consumed(layout: "Layout", rounds: Iterable[int]) -> None:
-    write_json(layout.hidden_consumed, {"rounds": sorted(set(rounds))})
-
-
-def mark_trained(layout: "Layout", plan: HiddenPlan, rounds: set[int], keep_out: set[int] = frozenset()) -> None:
-    """04, rank 0, after the checkpoint that covers `rounds`: record them as trained (02 reads it to know what
-    comes next), then delete their shards. keep_out: rounds to un-record (a resumed checkpoint is before them)."""
-    write_consumed(layout, (read_consumed(layout) | rounds) - set(keep_out))
-    for f in plan.files_of_rounds(rounds):
-        (layout.hidden / f).unlink(missing_ok=True)
 
 
 def delete_not_due(layout: "Layout", plan: HiddenPlan, consumed: set[int]) -> None:
@@ -183,17 +153,3 @@ def delete_not_due(layout: "Layout", plan: HiddenPlan, consumed: set[int]) -> No
     for s in plan.shards:
         if s["split"] == "train" and s["file"] not in due:
             (layout.hidden / s["file"]).unlink(missing_ok=True)
-
-
-def bookkeeping_bytes(plan: dict, header: dict, shard_bytes: Callable[[dict], int]) -> int:
-    """The most that hidden/ holds besides the shards over a whole run by this plan (a plan.json dict, before it
-    is written): plan.json, index.json listing every planned shard, the rank fragments (together at most that
-    index), consumed.json listing every round, and for each the temp copy of its atomic rewrite. Measured on the
-    very text write_json writes (header: index_header's; shard_bytes(shard): an upper bound of the shard's size,
-    for its digits)."""
-    entries = {s["file"]: shard_entry(s, {"sha256": "0" * 64, "bytes": shard_bytes(s), "num_loss_tokens": s["num_tokens"]})
-               for s in plan["shards"]}
-    index = len(json_text(build_index(header, plan["shards"], entries)).encode())
-    consumed = len(json_text({"rounds": list(range(len(plan["rounds"])))}).encode()) if "rounds" in plan else 0
-    # index.json and the fragments (at most an index together), consumed.json: each with its temp copy
-    return len(json_text(plan).encode()) + 2 * (index + index + consumed)

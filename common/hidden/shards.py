@@ -1,4 +1,4 @@
-"""The hidden-state shard format: the one module that writes, reads and verifies it.
+"""The hidden-state shard format: the one module that writes, reads and verifies the shards.
 
 Stage 02 (common/extract/stage.py) writes it, stage 04 (common/train/data.py) reads it; both take their
 paths from common.core.run_folder.Layout, this module takes paths. Under run_dir/hidden/
@@ -15,23 +15,18 @@ paths from common.core.run_folder.Layout, this module takes paths. Under run_dir
         final_scale     float32 [N, 1]
     The states are in extract.dtype (storage "full"), or float8 e4m3 with one float32 scale per token
     per tensor (storage "fp8": value = e4m3 * scale; docs/design.md#fp8-hidden-states).
-    Layout.hidden_index       format_version, the settings (aux_layer_ids, target_hidden_size,
-                              num_target_layers, dtype, storage, ...), "complete", per-split counts, and one entry
-                              per written shard (file, split, num_samples, num_tokens, sha256, bytes,
-                              num_loss_tokens, sample_ids in shard order)
-    Layout.index_fragment(r)  under torchrun, rank r's entries; rank 0 merges them into the index
+    Layout.hidden_index       one entry per written shard (file, split, sha256, bytes, sample_ids, ...), with
+                              rank fragments under torchrun: common.hidden.index writes and merges them
 
 What is here:
 - names and arithmetic: FORMAT_VERSION (written), READ_VERSIONS (read), SPLITS, TENSORS, STORAGES,
-  bytes_per_token, describe_bytes_per_token;
+  bytes_per_token, describe_bytes_per_token, storage_of, check_format_version (index.json's and plan.json's);
 - the fp8 codec: fp8_encode, fp8_decode;
-- writing: write_shard (atomic, hashed while written by the streaming write_safetensors), shard_entry,
-  index_header, build_index, write_index, write_fragment;
-- reading the index: read_entries (index.json + rank fragments, for 02's resume), check_format_version,
-  HiddenIndex.load (04: complete, readable version, every shard's header checked) and ShardReader (samples'
-  rows, lazily, via safetensors safe_open, fp8 states decoded);
-- hidden/'s JSON files are written compact (json_text, write_json: they list every sample id, and under a
-  disk budget they count against it); the rounds of plan.json and consumed.json are common.hidden.rounds';
+- writing: write_shard (atomic, hashed while written by the streaming write_safetensors); its index entry,
+  index.json, the rank fragments and hidden/'s compact JSON are common.hidden.index';
+- reading: HiddenIndex.load (04: index.json complete, in a readable version, every shard's header checked) and
+  ShardReader (samples' rows, lazily, via safetensors safe_open, fp8 states decoded); the rounds of plan.json
+  are common.hidden.rounds';
 - verification: verify_entry (02's rerun: a reason or None) and verify_shard_files (04's start: one-line
   DataError).
 """
@@ -41,15 +36,14 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import logging
 import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from common.core.errors import DataError, PipelineError
-from common.core.io import atomic_path, atomic_write_text, file_sha256, read_json
+from common.core.io import atomic_path, file_sha256, read_json
 
 if TYPE_CHECKING:  # torch is imported only when shards are written or read (02's --help stays fast)
     import numpy as np
@@ -58,11 +52,9 @@ if TYPE_CHECKING:  # torch is imported only when shards are written or read (02'
     from common.core.distributed import DistEnv
     from common.core.run_folder import Layout
 
-log = logging.getLogger("shards")
-
 # Version 2 added index.json's "storage" and the fp8 storage; a "full" v2 shard is byte-identical to v1.
 FORMAT_VERSION = 2  # what write_* produce
-READ_VERSIONS = (1, 2)  # what HiddenIndex.load and read_entries accept (v1 = storage "full")
+READ_VERSIONS = (1, 2)  # what HiddenIndex.load and index.read_entries accept (v1 = storage "full")
 SPLITS = ("train", "eval")
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets")
 ROW_TENSORS = TENSORS[:4]  # one row per token (sample_offsets is per sample)
@@ -224,101 +216,6 @@ def write_shard(final_path: Path, samples: list[dict], batches: list[dict], stor
     with atomic_path(final_path) as tmp:
         sha, size = write_safetensors(tmp, tensors)
     return {"sha256": sha, "bytes": size, "num_loss_tokens": int(loss_mask.sum())}
-
-
-# ---------------------------------------------------------------------------------------------
-# The index: one entry per written shard, merged from index.json and per-rank fragments.
-# ---------------------------------------------------------------------------------------------
-
-
-def shard_entry(shard: dict, written: dict) -> dict:
-    """The index entry of a written shard: its plan record ({"file", "split", "num_samples",
-    "num_tokens", "sample_ids", ...}) and what write_shard returned."""
-    return {"file": shard["file"], "split": shard["split"], "num_samples": shard["num_samples"],
-            "num_tokens": shard["num_tokens"], **written, "sample_ids": shard["sample_ids"]}
-
-
-def index_header(settings: dict, target_model: str, inputs: dict, target_weights: str | None = None) -> dict:
-    """index.json's fields before the shard list: the format version and the settings that shaped the
-    states (settings: aux_layer_ids, num_target_layers, target_hidden_size, vocab_size, model_type,
-    dtype, target_dtype, storage when not "full"); inputs: the tokenized files they were made from;
-    target_weights: the target's content fingerprint (common.target.loading.target_fingerprint), which 04
-    checks against the target it loads."""
-    s = settings
-    storage = storage_of(s)  # plans made before format 2 have no storage: "full"
-    return {
-        "format_version": FORMAT_VERSION,
-        "storage": storage,
-        "aux_layer_ids": s["aux_layer_ids"],
-        "num_target_layers": s["num_target_layers"],
-        "target_hidden_size": s["target_hidden_size"],
-        "vocab_size": s["vocab_size"],
-        "model_type": s["model_type"],
-        "dtype": s["dtype"],
-        "target_dtype": s["target_dtype"],
-        "target_model": target_model,
-        "bytes_per_token": bytes_per_token(len(s["aux_layer_ids"]), s["target_hidden_size"], s["dtype"], storage),
-        "inputs": inputs,
-        **({"target_weights": target_weights} if target_weights else {}),
-    }
-
-
-# The fields build_index adds to the header: they grow as 02 writes shards (under rounds, all run long).
-INDEX_SHARD_FIELDS = ("complete", "num_shards", "num_planned_shards", "num_tokens", "num_samples", "bytes", "splits", "shards")
-
-
-def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict]) -> dict:
-    """index.json: the header, the planned shards that have entries (plan order), per-split counts."""
-    shards = [entries[s["file"]] for s in plan_shards if s["file"] in entries]
-    complete = len(shards) == len(plan_shards)
-    splits = {}
-    for split in SPLITS:
-        mine = [s for s in shards if s["split"] == split]
-        splits[split] = {"num_shards": len(mine), "num_samples": sum(s["num_samples"] for s in mine),
-                         "num_tokens": sum(s["num_tokens"] for s in mine)}
-    return {**header, "complete": complete, "num_shards": len(shards), "num_planned_shards": len(plan_shards),
-            "num_tokens": sum(s["num_tokens"] for s in shards), "num_samples": sum(s["num_samples"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards), "splits": splits, "shards": shards}
-
-
-def json_text(obj: Any) -> str:
-    """How hidden/'s JSON files are written: compact, since plan.json and index.json list every sample and
-    their bytes count against extract.max_disk_gb (bookkeeping_bytes measures this very text)."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json_text(obj))
-
-
-def write_index(index_path: Path, index: dict) -> None:
-    write_json(index_path, index)
-
-
-def write_fragment(fragment_path: Path, rank: int, entries: list[dict]) -> None:
-    """One rank's entries under torchrun (rank 0 merges the fragments with read_entries)."""
-    write_json(fragment_path, {"rank": rank, "shards": entries})
-
-
-def read_entries(index_path: Path, fragment_paths: Iterable[Path] = ()) -> dict[str, dict]:
-    """Shard entries recorded so far, from index.json and any rank fragments (union by file).
-
-    An unreadable file is skipped with a warning (its shards get verified again or recomputed); an
-    index.json in a format this code does not read is a DataError (check_format_version)."""
-    entries: dict[str, dict] = {}
-    for src in [index_path, *fragment_paths]:
-        if not src.is_file():
-            continue
-        try:
-            doc = json.loads(src.read_text(encoding="utf-8"))
-        except (ValueError, OSError):
-            log.warning("%s is unreadable; the shards it listed will be verified again or recomputed", src)
-            continue
-        if src == index_path:
-            check_format_version(doc, src)
-        for e in doc.get("shards", []):
-            entries[e["file"]] = e
-    return entries
 
 
 # ---------------------------------------------------------------------------------------------

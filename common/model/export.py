@@ -1,7 +1,9 @@
-"""Export the draft in the checkpoint formats vLLM loads (docs/design.md#vllm-checkpoint-format).
+"""Export the draft in the checkpoint formats vLLM loads (docs/design.md#vllm-checkpoint-format), and read
+either format back. Every draft architecture goes through its family (common/model/draft/registry.py): the
+config.json `architectures` name, the config class, the model class and the tensor names of each format.
 
-Official EAGLE-3 format (`export_vllm_draft`, what vLLM's `LlamaForCausalLMEagle3` reads):
-    config.json        DraftModelConfig.to_vllm_config(): architectures ["LlamaForCausalLMEagle3"],
+Official EAGLE-3 format (`export_vllm_draft`; for the Llama family, what vLLM's `LlamaForCausalLMEagle3` reads):
+    config.json        DraftModelConfig.to_vllm_config(): architectures [the family's: "LlamaForCausalLMEagle3"],
                        draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids, ...
     model.safetensors  fc.weight [H, n_aux*H_t], midlayer.* (q/k/v_proj [.., 2H], hidden_norm, ...),
                        layers.{k}.* for k >= 1, norm.weight, lm_head.weight [V_d, H],
@@ -10,8 +12,8 @@ Official EAGLE-3 format (`export_vllm_draft`, what vLLM's `LlamaForCausalLMEagle
                        A full-vocabulary draft (draft_vocab_size = target vocab, as the published
                        Kimi-K2.5 draft) has no d2t/t2d: vLLM then builds no draft_id_to_target_id but
                        would still route a `d2t` tensor to it and fail to load.
-speculators format (`export_speculators_draft`): the same tensors with `midlayer.`
-renamed to `layers.0.`, embed_tokens included, and the speculators config.json, with
+speculators format (`export_speculators_draft`): the same tensors under the family's speculators names
+(Llama: `midlayer.` renamed to `layers.0.`), embed_tokens included, and the speculators config.json, with
 norm_before_residual written explicitly (vLLM assumes True when it is missing).
 
 Both writers build the directory under a temporary name next to `out_dir` and rename it into
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common.model.draft import DraftModelConfig, Eagle3DraftModel
+from common.model.draft import DraftFamily, DraftModelConfig, Eagle3DraftModel, family_of, family_of_config, family_of_model
 from common.core.errors import ConfigError, DataError
 from common.core.io import fsync_dir
 
@@ -41,6 +43,7 @@ def has_vocab_map(config: DraftModelConfig) -> bool:
 
 
 def _draft_state_dict(model: Eagle3DraftModel, dtype: torch.dtype, include_embedding: bool) -> dict:
+    """The tensors to export, under our names (the family's adapter renames them per format)."""
     out = {}
     full_vocab = not has_vocab_map(model.config)
     if full_vocab and bool(model.d2t.any()):
@@ -104,8 +107,9 @@ def export_vllm_draft(model: Eagle3DraftModel, out_dir, dtype: torch.dtype = tor
                       extra_config: dict | None = None, include_embedding: bool = False) -> Path:
     """Write the draft in the official EAGLE-3 format; returns out_dir."""
     model = getattr(model, "module", model)
-    config = model.config.to_vllm_config(torch_dtype=_dtype_name(dtype), **(extra_config or {}))
-    tensors = _draft_state_dict(model, dtype, include_embedding)
+    family = family_of_model(model)
+    config = family.vllm_config(model.config, torch_dtype=_dtype_name(dtype), **(extra_config or {}))
+    tensors = {family.adapter.to_official(k): v for k, v in _draft_state_dict(model, dtype, include_embedding).items()}
     return _write_dir_atomically(Path(out_dir), {
         CONFIG_NAME: _json_writer(config),
         WEIGHTS_NAME: _safetensors_writer(tensors),
@@ -118,8 +122,12 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
                              speculators_version: str = "0.3.0") -> Path:
     """Write the draft in the speculators format; vLLM can serve the directory alone."""
     model = getattr(model, "module", model)
+    family = family_of_model(model)
+    if family.adapter.speculators_architecture is None:
+        raise ConfigError(f"the {family.architecture} draft has no speculators format; export it with export_vllm_draft "
+                          f"(the official format)")
     c = model.config
-    official = c.to_vllm_config(torch_dtype=_dtype_name(dtype))
+    official = family.vllm_config(c, torch_dtype=_dtype_name(dtype))
     layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
                   "rope_theta", "rope_scaling", "initializer_range", "attention_bias", "mlp_bias",
@@ -128,7 +136,7 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
                                 **{k: official[k] for k in layer_keys}}
     config = {
         "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
+        "architectures": [family.adapter.speculators_architecture],
         "speculators_version": speculators_version,
         "transformer_layer_config": transformer_layer_config,
         "draft_vocab_size": c.draft_vocab_size,
@@ -149,19 +157,21 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
         },
         "torch_dtype": _dtype_name(dtype),
     }
-    tensors = {}
-    for name, tensor in _draft_state_dict(model, dtype, include_embedding).items():
-        tensors["layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name] = tensor
+    tensors = {family.adapter.to_speculators(k): v for k, v in _draft_state_dict(model, dtype, include_embedding).items()}
     return _write_dir_atomically(Path(out_dir), {
         CONFIG_NAME: _json_writer(config),
         WEIGHTS_NAME: _safetensors_writer(tensors),
     })
 
 
-def read_draft_config(path) -> DraftModelConfig:
-    """The config.json of the exported draft in `path`, checked: JSON, the keys an EAGLE-3 draft needs and
-    their values. A truncated or edited file is one DataError naming it, before vLLM or the loader sees it."""
+def read_draft_config(path, any_architecture: bool = False) -> DraftModelConfig:
+    """The config.json of the exported draft in `path` as its family's config object (the family: family_of_config),
+    checked: JSON, an architecture a family knows (else one ConfigError line), the keys the family's config needs and
+    their values. A truncated or edited file is one DataError naming it, before vLLM or the loader sees it.
+    any_architecture: a name no family knows is read by the default family's reader instead (05 measures drafts vLLM
+    serves, which may be of an architecture this pipeline does not train: it only needs their aux layer ids)."""
     from common.core.io import parse_json
+    from common.model.draft import DEFAULT_ARCHITECTURE, DRAFT_FAMILIES
 
     config_path = Path(path) / CONFIG_NAME
     redo = "re-export the draft (rerun 04_train.py) or restore the file"
@@ -174,7 +184,13 @@ def read_draft_config(path) -> DraftModelConfig:
     if not isinstance(raw, dict):
         raise DataError(f"{config_path} holds a JSON {type(raw).__name__}, not a draft config object; {redo}")
     try:
-        return DraftModelConfig.from_vllm_config(raw)
+        family = family_of(raw.get("architectures"), where=str(config_path))
+    except ConfigError:
+        if not any_architecture:
+            raise
+        family = DRAFT_FAMILIES[DEFAULT_ARCHITECTURE]
+    try:
+        return family.read_config(raw)
     except KeyError as e:
         raise DataError(f"{config_path} has no {e.args[0]!r}, which an EAGLE-3 draft config needs; {redo}") from None
     except (TypeError, ValueError, AttributeError, ConfigError) as e:
@@ -189,12 +205,16 @@ def draft_weight_files(path) -> list[Path]:
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def read_draft_tensors(path, shapes_only: bool = False, names: set[str] | None = None) -> dict:
+def read_draft_tensors(path, shapes_only: bool = False, names: set[str] | None = None,
+                       family: DraftFamily | None = None) -> dict:
     """{name: tensor} (or {name: shape} from the headers alone) of the tensors of the draft in `path` (all, or
-    those in `names`), either format, under our names (speculators' `layers.0.` is `midlayer.`). A missing or
+    those in `names`), either format, under our names (its family's adapter: the Llama family's speculators
+    `layers.0.` is `midlayer.`). `family`: the draft's, when the caller has read its config.json. A missing or
     unreadable file is one DataError naming it."""
     from safetensors import safe_open
 
+    if family is None:
+        family = family_of_config(read_draft_config(path))
     files = draft_weight_files(path)
     if not files:
         raise DataError(f"{Path(path) / WEIGHTS_NAME} is missing; '{path}' is not an exported EAGLE-3 draft "
@@ -204,7 +224,7 @@ def read_draft_tensors(path, shapes_only: bool = False, names: set[str] | None =
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    ours = "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+                    ours = family.adapter.to_ours(name)
                     if names is not None and ours not in names:
                         continue
                     out[ours] = tuple(sf.get_slice(name).get_shape()) if shapes_only else sf.get_tensor(name)
@@ -215,10 +235,10 @@ def read_draft_tensors(path, shapes_only: bool = False, names: set[str] | None =
 
 
 def check_draft_tensors(shapes: dict, config: DraftModelConfig, where, optional: set[str] = frozenset()) -> None:
-    """DataError unless `shapes` ({name: shape}) are exactly the tensors of a draft of `config`: embed_tokens
-    may be absent (shared from the target), and so may the names in `optional`."""
+    """DataError unless `shapes` ({name: shape}) are exactly the tensors of a draft of `config` (a model of its
+    family): embed_tokens may be absent (shared from the target), and so may the names in `optional`."""
     with torch.device("meta"):  # shapes only: no memory, no init
-        own = {k: tuple(v.shape) for k, v in Eagle3DraftModel(config).state_dict().items()}
+        own = {k: tuple(v.shape) for k, v in family_of_config(config).build(config).state_dict().items()}
     missing = [k for k in own if k not in shapes and not k.startswith("embed_tokens.") and k not in optional]
     unexpected = [k for k in shapes if k not in own]
     wrong = [f"{k} {tuple(v)} != {own[k]}" for k, v in shapes.items() if k in own and tuple(v) != own[k]]
@@ -229,15 +249,16 @@ def check_draft_tensors(shapes: dict, config: DraftModelConfig, where, optional:
 
 def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
                         device: str | torch.device = "cpu") -> Eagle3DraftModel:
-    """Rebuild the draft from an export (either format). Without embed_tokens in the file, pass the
-    target embedding as `embedding` (or call load_target_embedding later)."""
+    """Rebuild the draft from an export (either format), as a model of its family. Without embed_tokens in the
+    file, pass the target embedding as `embedding` (or call load_target_embedding later)."""
     path = Path(path)
     config = read_draft_config(path)
-    state = read_draft_tensors(path)
+    family = family_of_config(config)
+    state = read_draft_tensors(path, family=family)
     # embed_tokens: shared from the target; d2t/t2d: absent from a full-vocab export (identity map, the default)
     check_draft_tensors({k: v.shape for k, v in state.items()}, config, draft_weight_files(path)[0],
                         optional={"d2t", "t2d"} if not has_vocab_map(config) else set())
-    model = Eagle3DraftModel(config)
+    model = family.build(config)
     model.load_state_dict(state, strict=False)
     if embedding is not None:
         model.load_target_embedding(embedding)

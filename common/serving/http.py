@@ -15,6 +15,7 @@ server's does. Each attempt of a call that retries gets its own deadline.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from contextvars import ContextVar
@@ -33,21 +34,21 @@ except ImportError:  # an environment with openai < 3 only
 _deadline: ContextVar[Optional[float]] = ContextVar("http_call_deadline", default=None)
 
 
-def _start_call(request) -> None:
+def _start_call(request, clock=time.monotonic) -> None:
     read_timeout = (request.extensions.get("timeout") or {}).get("read")
-    _deadline.set(None if read_timeout is None else time.monotonic() + read_timeout)
+    _deadline.set(None if read_timeout is None else clock() + read_timeout)
 
 
-async def _start_call_async(request) -> None:
-    _start_call(request)
+async def _start_call_async(request, clock=time.monotonic) -> None:
+    _start_call(request, clock)
 
 
-def _left(timeout: Optional[float], error: type[Exception]) -> Optional[float]:
+def _left(timeout: Optional[float], error: type[Exception], clock=time.monotonic) -> Optional[float]:
     """An I/O timeout cut to what is left of the call's deadline; `error` once nothing is left."""
     deadline = _deadline.get()
     if deadline is None:
         return timeout
-    left = deadline - time.monotonic()
+    left = deadline - clock()
     if left <= 0:
         raise error("no complete answer within the call's timeout")
     return left if timeout is None else min(timeout, left)
@@ -56,20 +57,20 @@ def _left(timeout: Optional[float], error: type[Exception]) -> Optional[float]:
 class _Stream:
     """A connection whose reads and writes stop at the call's deadline. Sync or async alike: the
     inner stream's methods return a value or an awaitable, and this hands back what they return.
-    `core`: the httpcore module of the client, whose timeout errors its httpx maps."""
+    `core`: the httpcore module of the client, whose timeout errors its httpx maps; `clock`: with_deadlines'."""
 
-    def __init__(self, inner, core):
-        self._inner, self._core = inner, core
+    def __init__(self, inner, core, clock=time.monotonic):
+        self._inner, self._core, self._clock = inner, core, clock
 
     def read(self, max_bytes: int, timeout: Optional[float] = None):
-        return self._inner.read(max_bytes, _left(timeout, self._core.ReadTimeout))
+        return self._inner.read(max_bytes, _left(timeout, self._core.ReadTimeout, self._clock))
 
     def write(self, buffer: bytes, timeout: Optional[float] = None):
-        return self._inner.write(buffer, _left(timeout, self._core.WriteTimeout))
+        return self._inner.write(buffer, _left(timeout, self._core.WriteTimeout, self._clock))
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None):
-        return _Stream(self._inner.start_tls(ssl_context, server_hostname, _left(timeout, self._core.ConnectTimeout)),
-                       self._core)
+        return _Stream(self._inner.start_tls(ssl_context, server_hostname,
+                                             _left(timeout, self._core.ConnectTimeout, self._clock)), self._core, self._clock)
 
     def __getattr__(self, name: str):  # close, get_extra_info
         return getattr(self._inner, name)
@@ -78,22 +79,23 @@ class _Stream:
 class _AsyncStream(_Stream):
     async def start_tls(self, ssl_context, server_hostname=None, timeout=None):
         return _AsyncStream(await self._inner.start_tls(ssl_context, server_hostname,
-                                                        _left(timeout, self._core.ConnectTimeout)), self._core)
+                                                        _left(timeout, self._core.ConnectTimeout, self._clock)),
+                            self._core, self._clock)
 
 
 class _Backend:
     """httpcore's network backend, its connections made within the call's deadline and kept to it."""
 
-    def __init__(self, inner, core):
-        self._inner, self._core = inner, core
+    def __init__(self, inner, core, clock=time.monotonic):
+        self._inner, self._core, self._clock = inner, core, clock
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return _Stream(self._inner.connect_tcp(host, port, _left(timeout, self._core.ConnectTimeout), local_address,
-                                               socket_options), self._core)
+        return _Stream(self._inner.connect_tcp(host, port, _left(timeout, self._core.ConnectTimeout, self._clock),
+                                               local_address, socket_options), self._core, self._clock)
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
-        return _Stream(self._inner.connect_unix_socket(path, _left(timeout, self._core.ConnectTimeout), socket_options),
-                       self._core)
+        return _Stream(self._inner.connect_unix_socket(path, _left(timeout, self._core.ConnectTimeout, self._clock),
+                                                       socket_options), self._core, self._clock)
 
     def __getattr__(self, name: str):  # sleep
         return getattr(self._inner, name)
@@ -101,29 +103,31 @@ class _Backend:
 
 class _AsyncBackend(_Backend):
     async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return _AsyncStream(await self._inner.connect_tcp(host, port, _left(timeout, self._core.ConnectTimeout),
-                                                          local_address, socket_options), self._core)
+        return _AsyncStream(await self._inner.connect_tcp(host, port, _left(timeout, self._core.ConnectTimeout, self._clock),
+                                                          local_address, socket_options), self._core, self._clock)
 
     async def connect_unix_socket(self, path, timeout=None, socket_options=None):
-        return _AsyncStream(await self._inner.connect_unix_socket(path, _left(timeout, self._core.ConnectTimeout),
-                                                                  socket_options), self._core)
+        return _AsyncStream(await self._inner.connect_unix_socket(path, _left(timeout, self._core.ConnectTimeout, self._clock),
+                                                                  socket_options), self._core, self._clock)
 
 
-def with_deadlines(client):
+def with_deadlines(client, clock=time.monotonic):
     """`client` (an httpx2 or httpx Client or AsyncClient, no connection made yet), every call it makes held
     to its deadline. httpx takes no network backend through its public API, so the one its transports'
-    connection pools were built with (the direct one and any proxy's) is wrapped in place."""
+    connection pools were built with (the direct one and any proxy's) is wrapped in place.
+    `clock`: what the deadlines are measured on; a test passes a virtual clock (with a virtual network) so that
+    it checks where a call ends without timing it on a machine whose load it does not know."""
     # openai hands a subclass of its own: the package is that of the httpx class it derives from
     package = next((c.__module__.split(".")[0] for c in type(client).__mro__ if c.__module__.split(".")[0] in _PAIRS), None)
     if package is None:
         raise TypeError(f"with_deadlines takes an httpx2 or httpx client, not a {type(client).__qualname__}")
     httpx_mod, core = importlib.import_module(package), importlib.import_module(_PAIRS[package])
     is_async = isinstance(client, httpx_mod.AsyncClient)
-    client.event_hooks["request"].append(_start_call_async if is_async else _start_call)
+    client.event_hooks["request"].append(functools.partial(_start_call_async if is_async else _start_call, clock=clock))
     for transport in (client._transport, *client._mounts.values()):
         pool = getattr(transport, "_pool", None)
         if pool is not None:
-            pool._network_backend = (_AsyncBackend if is_async else _Backend)(pool._network_backend, core)
+            pool._network_backend = (_AsyncBackend if is_async else _Backend)(pool._network_backend, core, clock)
     return client
 
 

@@ -28,6 +28,9 @@ With speculative decoding the EAGLE draft's layers have a KV cache too, in the s
   `get_kv_cache_config_from_groups` allocates (available memory // that block's bytes) blocks. A token
   costs target + draft bytes: the Kimi-K2.5 draft (1 layer, 64 KV heads of 128, bf16) adds 32,768 B per
   token, 4,096 B per GPU at TP 8, to the target's 70,272.
+A draft of a family this pipeline knows (common/model/draft/registry.py: a config object, or a config.json naming
+a registered architecture) is sized by its family's rule (`DraftFamily.kv_bytes_per_token`); any other draft (a
+published MLA one) by the rules above, from its config's keys (`draft_kv_bytes_per_token`).
 The running server's `vllm:cache_config_info` counts blocks of that size, so its figure (01b) already
 includes the draft when the server has one. The draft's weights are not counted on paper (the Kimi-sized
 draft: ~0.5 GiB per GPU at TP 8, its fc replicated on every rank, the rest split); vLLM's profile run does.
@@ -39,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from common.core.errors import ConfigError
+from common.core.errors import ConfigError, PipelineError
 from common.model.sizes import model_size
 
 GIB = 1024**3
@@ -56,7 +59,7 @@ def kv_bytes_per_token(text_config: Any, tensor_parallel_size: int = 1, kv_cache
     draft_config is given (a target served with that draft)."""
     if draft_config is not None:
         return (kv_bytes_per_token(text_config, tensor_parallel_size, kv_cache_dtype)
-                + kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype))
+                + draft_kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype))
     if isinstance(text_config, dict) and isinstance(text_config.get("transformer_layer_config"), dict):
         text_config = {**text_config["transformer_layer_config"], **text_config}  # a speculators-format draft
 
@@ -77,6 +80,33 @@ def kv_bytes_per_token(text_config: Any, tensor_parallel_size: int = 1, kv_cache
         raise ConfigError(f"hidden_size {get('hidden_size')} is below num_attention_heads {heads}: head_dim would be 0 "
                           f"(give head_dim)")
     return layers * 2 * max(1, math.ceil(kv_heads / tensor_parallel_size)) * head_dim * per_value
+
+
+def draft_kv_bytes_per_token(draft_config: Any, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of KV cache one token takes in a draft's layers on one GPU: by its family's rule when it is of a
+    family the pipeline knows, else by vLLM's layout of its config's keys (kv_bytes_per_token)."""
+    family, config = _draft_family(draft_config)
+    if family is None:
+        return kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype)
+    return family.kv_bytes_per_token(config, tensor_parallel_size, KV_DTYPE_BYTES[kv_cache_dtype])
+
+
+def _draft_family(draft_config: Any):
+    """(family, its config object) of a draft config object or config.json dict; (None, None) for a config.json that
+    names no registered architecture or that its family cannot read (sized from its keys instead)."""
+    from common.model.draft import DRAFT_FAMILIES, family_of_config  # imports torch: only when a draft is sized
+
+    if not isinstance(draft_config, dict):
+        return family_of_config(draft_config), draft_config
+    layer = draft_config.get("transformer_layer_config")  # a speculators-format draft names it at either level
+    names = draft_config.get("architectures") or (layer.get("architectures") if isinstance(layer, dict) else None)
+    if not isinstance(names, list) or not names or any(not isinstance(n, str) or n not in DRAFT_FAMILIES for n in names):
+        return None, None
+    family = DRAFT_FAMILIES[names[0]]
+    try:
+        return family, family.read_config(draft_config)
+    except (PipelineError, KeyError, TypeError, ValueError):
+        return None, None
 
 
 def kv_cache_tokens(metrics: dict) -> Optional[int]:
@@ -161,7 +191,7 @@ def plan_serving(text_config: Any, *, gpu_memory_gib: float, weights_gib_total: 
     """The KV cache one GPU of a TP server keeps, on paper; with draft_config (the EAGLE draft's config), served
     with that draft. activation_gib is a planning allowance (vLLM's profile run measures the real figure at start
     and logs "Available KV cache memory")."""
-    draft_bytes = 0 if draft_config is None else kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype)
+    draft_bytes = 0 if draft_config is None else draft_kv_bytes_per_token(draft_config, tensor_parallel_size, kv_cache_dtype)
     return ServingPlan(gpu_memory_gib=gpu_memory_gib, utilization=utilization,
                        weights_gib=weights_gib_total / tensor_parallel_size, activation_gib=activation_gib,
                        kv_bytes_per_token=kv_bytes_per_token(text_config, tensor_parallel_size, kv_cache_dtype),

@@ -4,7 +4,8 @@
         model.safetensors   trainable weights (fp32, unsharded; the frozen target embedding is left out)
         optimizer.pt        AdamW + schedule state, plain tensors (torch.load(weights_only=True))
         rank{r}.pt          each rank's RNG state and partial logging window
-        state.json          step, data position, fingerprint, counters, the best checkpoint so far ("best")
+        state.json          step, data position, fingerprint, counters, the best checkpoint so far ("best"),
+                            the eval of this step ("eval", null when none ran at it: train/best's prediction)
         ledger.json         which train sample was trained in which epoch (common.train.ledger)
         manifest.json       bytes and sha256 of every file above, written last
 

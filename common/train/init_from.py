@@ -8,10 +8,12 @@ this target, instead of random weights (docs/design.md#starting-from-a-published
     init.load_into(draft)                # build_model: its weights over the fresh draft (a resume's checkpoint
                                          # is loaded over them next)
 
-The draft's architecture comes from the init's config.json; a `draft.*` key left at its default takes the
-init's value, one set to anything else must agree with it. The vocabulary (train.init_vocab): `own` keeps
-the init's draft vocab (its d2t; without one, target ids 0..V_d-1, as vLLM reads such a draft), `remap`
-trains on 03's and carries over the init's lm_head rows of the tokens both vocabularies hold.
+The draft's architecture comes from the init's config.json (its family, common/model/draft/registry.py, and its
+sizes); a `draft.*` key left at its default takes the init's value, one set to anything else must agree with it.
+Without an init, draft.architecture names the family: `draft_family_for` decides, for 04 and its memory planner.
+The vocabulary (train.init_vocab): `own` keeps the init's draft vocab (its d2t; without one, target ids
+0..V_d-1, as vLLM reads such a draft), `remap` trains on 03's and carries over the init's lm_head rows of the
+tokens both vocabularies hold.
 """
 
 from __future__ import annotations
@@ -26,13 +28,10 @@ from common.core.config import DraftConfig
 from common.core.distributed import DistEnv, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout
-from common.model.draft import DraftModelConfig, draft_rope_scaling
+from common.model.draft import DraftFamily, DraftModelConfig, draft_rope_scaling, family_of, family_of_config
 from common.model.export import CONFIG_NAME, check_draft_tensors, draft_weight_files, read_draft_config, read_draft_tensors
 from common.target.loading import load_target_tensors, target_fingerprint
 
-# The config.json architectures of the Llama EAGLE-3 draft that vLLM's llama_eagle3.py serves and this
-# pipeline trains (the speculators format names its own); others (an MLA draft, Qwen3's) have other layers.
-LLAMA_EAGLE3 = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator"}
 # DraftConfig keys -> DraftModelConfig fields they set (rope_scaling is compared resolved)
 _DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "num_hidden_layers", "rope_theta", "rms_norm_eps", "norm_before_residual", "max_position_embeddings")
@@ -42,6 +41,7 @@ _DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_k
 class InitDraft:
     path: Path
     mode: str  # train.init_vocab: own | remap
+    family: DraftFamily  # the init's architecture (its config.json's `architectures`)
     config: DraftModelConfig  # the init's own
     draft_cfg: DraftModelConfig  # what 04 trains: the init's architecture with the draft vocab of `mode`
     d2t: torch.Tensor  # the vocab map 04 trains with (the init's, or 03's)
@@ -64,20 +64,21 @@ class InitDraft:
         if not (path / CONFIG_NAME).is_file():
             raise ConfigError(f"train.init_from {path} is not a draft directory (no {CONFIG_NAME}); give a vLLM-format "
                               f"EAGLE-3 draft (config.json + *.safetensors), e.g. another run's train/final")
-        config = read_draft_config(path)
+        config = read_draft_config(path)  # an architecture no family knows: one line, naming the file
+        family = family_of_config(config)
         raw = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
-        shapes = read_draft_tensors(path, shapes_only=True)
+        shapes = read_draft_tensors(path, shapes_only=True, family=family)
         problems = _architecture_problems(raw) + _target_problems(config, info, aux_layer_ids)
-        problems += _draft_key_problems(cfg, config, info)
+        problems += _draft_key_problems(cfg, config, info, family)
         if not problems and "embed_tokens.weight" in shapes:
-            problems += on_rank0(lambda: _embedding_problems(path, cfg.target.model), env)
+            problems += on_rank0(lambda: _embedding_problems(path, cfg.target.model, family), env)
         if problems:
             raise ConfigError(f"train.init_from {path} does not fit this run: {'; '.join(problems)}; use a draft trained "
                               f"for this target (hidden size {info.hidden_size}, vocab {info.vocab_size}, aux layers "
                               f"{list(aux_layer_ids)}), or set train.init_from: null")
         # vLLM loads a draft without d2t too: its draft_id_to_target_id stays zeros (draft id i = target id i)
         check_draft_tensors(shapes, config, draft_weight_files(path)[0], optional={"d2t", "t2d"})
-        weights = _read_finite(path, shapes)
+        weights = _read_finite(path, shapes, family)
         has_d2t = "d2t" in weights
         init_ids = torch.arange(config.draft_vocab_size)
         if has_d2t:
@@ -92,7 +93,7 @@ class InitDraft:
             d2t, t2d = init_ids - torch.arange(init_ids.numel()), init_t2d
         draft_cfg = dataclasses.replace(config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(aux_layer_ids))
         fingerprint = on_rank0(lambda: target_fingerprint(layout, str(path)), env)
-        return cls(path, t.init_vocab, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint, weights)
+        return cls(path, t.init_vocab, family, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint, weights)
 
     @property
     def identity(self) -> dict:
@@ -128,11 +129,9 @@ class InitDraft:
 
 
 def _architecture_problems(raw: dict) -> list[str]:
-    """An EAGLE-3 draft of another architecture than the Llama one this pipeline trains."""
+    """A speculators-format EAGLE-3 draft with a norm before fc (the architecture itself is checked by its family:
+    read_draft_config refuses one that no family knows)."""
     problems = []
-    archs = [a for a in raw.get("architectures") or [] if a not in LLAMA_EAGLE3]
-    if archs:
-        problems.append(f"its architecture {archs} is not the Llama EAGLE-3 draft this pipeline trains ({sorted(LLAMA_EAGLE3)})")
     extra = [k for k in ("norm_before_fc", "fc_norm") if raw.get(k)]
     if extra:
         problems.append(f"it sets {', '.join(extra)}, a norm before fc that this pipeline's draft does not have")
@@ -154,12 +153,14 @@ def _target_problems(config: DraftModelConfig, info, aux_layer_ids: list[int]) -
     return problems
 
 
-def _draft_key_problems(cfg, config: DraftModelConfig, info) -> list[str]:
+def _draft_key_problems(cfg, config: DraftModelConfig, info, family: DraftFamily) -> list[str]:
     """draft.* keys set to something else than their default and than the init's value (the init's architecture
     is what 04 trains: a conflicting key is a mistake, not a wish to resize it)."""
     default = DraftConfig()
     problems = [f"draft.{key}={getattr(cfg.draft, key)} but the init has {getattr(config, key)}" for key in _DRAFT_KEYS
                 if getattr(cfg.draft, key) != getattr(default, key) and getattr(cfg.draft, key) != getattr(config, key)]
+    if cfg.draft.architecture != default.architecture and cfg.draft.architecture not in family.names:
+        problems.append(f"draft.architecture={cfg.draft.architecture} but the init is a {family.architecture} draft")
     if cfg.draft.rope_scaling is not None:  # compared resolved: "target" is the target's scaling
         asked = draft_rope_scaling(cfg.draft.rope_scaling, info.text_config)
         theirs = draft_rope_scaling(config.rope_scaling, info.text_config) if config.rope_scaling else None
@@ -168,11 +169,11 @@ def _draft_key_problems(cfg, config: DraftModelConfig, info) -> list[str]:
     return [p + " (leave draft.* unset: the init's architecture is trained)" for p in problems]
 
 
-def _read_finite(path: Path, shapes: dict) -> dict[str, torch.Tensor]:
+def _read_finite(path: Path, shapes: dict, family: DraftFamily) -> dict[str, torch.Tensor]:
     """The init's tensors but embed_tokens (the target's is used; _embedding_problems compared it), every value
     finite: a diverged or damaged draft is refused here, before --overwrite deletes anything, not reported as a
     divergence of this run after it."""
-    weights = read_draft_tensors(path, names={n for n in shapes if not n.startswith("embed_tokens.")})
+    weights = read_draft_tensors(path, names={n for n in shapes if not n.startswith("embed_tokens.")}, family=family)
     counts = {n: int(w.isfinite().logical_not().sum()) for n, w in weights.items() if w.is_floating_point()}
     bad = {n: c for n, c in counts.items() if c}
     if bad:
@@ -183,11 +184,21 @@ def _read_finite(path: Path, shapes: dict) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _embedding_problems(path: Path, target_model: str) -> list[str]:
+def _embedding_problems(path: Path, target_model: str, family: DraftFamily) -> list[str]:
     """A draft that carries its own embed_tokens (the speculators format does) carries its target's: vLLM serves
     it with that one unless it equals this target's, so another one means another target."""
-    theirs = read_draft_tensors(path, names={"embed_tokens.weight"})["embed_tokens.weight"]
+    theirs = read_draft_tensors(path, names={"embed_tokens.weight"}, family=family)["embed_tokens.weight"]
     ours = load_target_tensors(target_model, kinds=("embed",))["embed"]
     if theirs.shape == ours.shape and torch.equal(theirs, ours.to(theirs.dtype)):
         return []
     return ["its embed_tokens differ from target.model's embedding (a draft of another target or revision)"]
+
+
+def draft_family_for(cfg, init: InitDraft | None = None) -> DraftFamily:
+    """The draft family 04 trains, decided here for the trainer and the memory planner alike: train.init_from's (the
+    architectures of its config.json; `init` when the trainer has read it already) when set, else
+    draft.architecture's. A name no family knows is one ConfigError line."""
+    if cfg.train.init_from:
+        return init.family if init is not None else family_of_config(read_draft_config(cfg.train.init_from))
+    return family_of([cfg.draft.architecture], where="config key 'draft.architecture'",
+                     fix="set draft.architecture to one of them")

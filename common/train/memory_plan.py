@@ -5,8 +5,9 @@ anything is loaded (docs/design.md#memory-planner-04), like 02's disk planner.
     print(plan.describe())             # one line: the peak and its main terms
     check_fits(plan, cfg, capacity)    # ConfigError naming what to change when it cannot fit
 
-What is alive at the peak (read off common/model/draft.py, common/model/ttt.py, common/train/trainer.py
-and common/core/distributed.py; P = trainable parameters, W = ranks, T = train.batch_max_tokens,
+What is alive at the peak (read off common/model/draft/, common/model/ttt.py, common/train/trainer.py
+and common/core/distributed.py; P = trainable parameters, the draft family's count (DraftFamily.trainable_params,
+common/model/draft/registry.py), W = ranks, T = train.batch_max_tokens,
 K = train.ttt_steps, c = bytes of the compute dtype, 2 in bf16, 4 in fp32):
 
 - state: the fp32 master weights (4P; FSDP: 4P/W; train.anchor_weight > 0: twice, the init's copy),
@@ -45,10 +46,6 @@ from common.core.errors import ConfigError
 from common.core.io import format_bytes, parse_json
 from common.model.sizes import check_model_sizes
 
-# Fixed sizes of the code (kept in step with common/model/ttt.py and common/model/draft.py)
-LOSS_CHUNK_ROWS = 4096  # ttt.LOSS_CHUNK_ROWS: rows per chunk of the fused lm_head + loss
-TEACHER_CHUNK_ROWS = 1024  # ttt.TEACHER_CHUNK_ROWS
-ATTN_CHUNK = 512  # Eagle3DraftModel.attn_chunk_size
 # What the planner leaves free on a GPU of C bytes: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation are not tensors: refuse above C * USABLE_FRACTION.
 USABLE_FRACTION = 0.92
@@ -72,15 +69,10 @@ class MemoryPlan:
 
 
 def trainable_params(d) -> int:
-    """P of a DraftModelConfig: fc, every decoder layer (layer 0 reads 2H), norm, lm_head."""
-    H, I, hd = d.hidden_size, d.intermediate_size, d.head_dim
-    q, kv = d.num_attention_heads * hd, d.num_key_value_heads * hd
+    """P of a draft config, as its family counts it (common.model.draft.registry)."""
+    from common.model.draft import family_of_config
 
-    def layer(inp: int, first: bool) -> int:
-        return inp * (q + 2 * kv) + q * H + 3 * H * I + 2 * H + (H if first else 0)
-
-    return (d.num_aux * d.target_hidden_size * H + layer(2 * H, True) + (d.num_hidden_layers - 1) * layer(H, False)
-            + H + d.draft_vocab_size * H)
+    return family_of_config(d).trainable_params(d)
 
 
 def resolve_dtype_bytes(precision: str, device_type: str) -> int:
@@ -95,17 +87,22 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     """The peak memory of one rank of 04 for draft config `d` (common.model.draft.DraftModelConfig) and
     the config's train section `t`. embed_bf16: the target's embedding is bf16 (then 04 keeps it bf16 on
     a bf16 GPU run); max_sample_len: the longest sample (attention spans a sample; default T)."""
+    # the step's own chunk sizes, read from the code that uses them (imported here: torch loads with them)
+    from common.model.draft import ATTN_SCORES_BYTES, DEFAULT_ATTN_CHUNK, family_of_config
+    from common.model.ttt import LOSS_CHUNK_ROWS, TEACHER_CHUNK_ROWS
+
     T = int(batch_max_tokens or t.batch_max_tokens)
     K, W = int(t.ttt_steps), int(world_size)
     c = resolve_dtype_bytes(t.precision, device_type)
     bf16 = c == 2
     mode = t.parallel if W > 1 else "single"
-    P = trainable_params(d)
+    family = family_of_config(d)  # the architecture's own weight counts; the activations read the config's sizes
+    P = family.trainable_params(d)
     H, I, hd, L = d.hidden_size, d.intermediate_size, d.head_dim, d.num_hidden_layers
     q_w, kv_w = d.num_attention_heads * hd, d.num_key_value_heads * hd
     V, Vd, Ht, A = d.vocab_size, d.draft_vocab_size, d.target_hidden_size, d.num_aux
     gc = bool(t.gradient_checkpointing)
-    C = min(T, ATTN_CHUNK)
+    C = min(T, DEFAULT_ATTN_CHUNK)
     S = min(T, (max_sample_len or T) + C - 1)  # keys one attention chunk sees (from its first row's sample start)
     rows = min(T, LOSS_CHUNK_ROWS)
 
@@ -163,10 +160,9 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
 
     # -- transients on top of the saved set, in the backward of the last step's last layer ----------
     last = attn_part(L == 1)
-    # one chunk batch's fp32 scores [heads, pairs] (common.model.draft.TTTAttention: batches of at most
+    # one chunk batch's fp32 scores [heads, pairs] (common.model.draft.attention.TTTAttention: batches of at most
     # ATTN_SCORES_BYTES, or one chunk when a chunk alone is larger); in its backward: the recomputed
     # probabilities, their gradient, and its bf16 cast (~3 copies)
-    from common.model.draft import ATTN_SCORES_BYTES
 
     pairs = min(math.ceil(T / C) * C * S, max(ATTN_SCORES_BYTES // (4 * d.num_attention_heads), C * S))
     scores = 4 * d.num_attention_heads * pairs
@@ -174,7 +170,7 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     mlp_bwd = T * ((last + mlp_part() if gc else 0) + 3 * I * a + H * 4)
     loss_chunk = rows * Vd * (c + 3 * 4) + rows * H * 4 * 3  # the loss chunk: logits (+ fp32), teacher rows, product
     teacher_build = TEACHER_CHUNK_ROWS * (V * (c + 4) + 8 * Vd)  # [1024, V] logits while the teacher is built
-    optim_tmp = 4 * shard(P) if device_type == "cuda" else 4 * _largest_param(d) * 2  # foreach sqrt; CPU: per tensor
+    optim_tmp = 4 * shard(P) if device_type == "cuda" else 4 * family.largest_param(d) * 2  # foreach sqrt; CPU: per tensor
     backward = max(attn_bwd, mlp_bwd)
 
     # each moment's terms (the peak is the largest sum)
@@ -197,12 +193,6 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
                "batch_max_tokens": T, "ttt_steps": K, "gradient_checkpointing": gc, "grad_accum": t.grad_accum,
                "min_batch_tokens": int(max_sample_len or 1)}
     return MemoryPlan(peak, phase, terms, setting)
-
-
-def _largest_param(d) -> int:
-    H = d.hidden_size
-    return max(d.num_aux * d.target_hidden_size * H, d.draft_vocab_size * H, 2 * H * d.num_attention_heads * d.head_dim,
-               H * d.intermediate_size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,10 +302,10 @@ def target_sizes_from_config_json(model: str) -> Optional[dict]:
 
 
 def draft_config_from(cfg, target: dict, source: str = "the target's config"):
-    """The DraftModelConfig 04 would build, from the run config and the target's (text) config dict (read
-    from `source`, which the errors name)."""
-    from common.model.draft import build_draft_config
+    """The draft config 04 would build (of the family draft_family_for picks, as 04 does), from the run config and
+    the target's (text) config dict (read from `source`, which the errors name)."""
     from common.target.loading import resolve_aux_layer_ids
+    from common.train.init_from import draft_family_for
 
     try:
         check_model_sizes(target)  # a string, zero or NaN size is one error, not a traceback or an absurd plan
@@ -331,13 +321,14 @@ def draft_config_from(cfg, target: dict, source: str = "the target's config"):
     layers = target["num_hidden_layers"]
     info = SimpleNamespace(hidden_size=target["hidden_size"], vocab_size=target["vocab_size"], text_config=text)
     aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, layers)
+    family = draft_family_for(cfg)  # the trainer's choice: the init's architecture, else draft.architecture
     if cfg.train.init_from:  # 04 trains the init's architecture, in the draft vocab of train.init_vocab
         from common.model.export import read_draft_config
 
         init = read_draft_config(cfg.train.init_from)
         vocab = init.draft_vocab_size if cfg.train.init_vocab == "own" else min(cfg.vocab.draft_vocab_size, info.vocab_size)
         return dataclasses.replace(init, draft_vocab_size=vocab, aux_layer_ids=list(aux))
-    return build_draft_config(cfg, info, cfg.vocab.draft_vocab_size, aux)
+    return family.build_config(cfg, info, cfg.vocab.draft_vocab_size, aux)
 
 
 def plan_for_config(cfg, world_size: int, device_type: str = "cuda", target: Optional[dict] = None) -> MemoryPlan:

@@ -17,6 +17,7 @@ from common.core.distributed import DistEnv, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout, StageManifest
 from common.hidden.shards import HiddenIndex
+from common.model.draft import DEFAULT_ARCHITECTURE, family_of_config
 from common.target.loading import check_safetensors_readable, target_fingerprint
 from common.train.checkpoint import clean_train_dir
 
@@ -56,10 +57,17 @@ def resolve_precision(cfg, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if p == "bf16" else torch.float32
 
 
+def draft_identity(draft_cfg) -> dict:
+    """The draft's sizes, and its family when it is not the default one (two families may share the sizes; absent
+    for the default family, so the checkpoints and train/ of earlier runs still match)."""
+    architecture = family_of_config(draft_cfg).architecture
+    return {**dataclasses.asdict(draft_cfg), **({"architecture": architecture} if architecture != DEFAULT_ARCHITECTURE else {})}
+
+
 def run_fingerprint(draft_cfg, data_identity: list, d2t: torch.Tensor, t, init) -> str:
     """What a checkpoint must agree with to be resumable (hyper-parameters like lr may change)."""
     obj = {
-        "draft": dataclasses.asdict(draft_cfg), "data": data_identity,
+        "draft": draft_identity(draft_cfg), "data": data_identity,
         "d2t": hashlib.sha256(d2t.numpy().tobytes()).hexdigest(),
         "batch_max_tokens": t.batch_max_tokens, "seed": t.seed,
         **({"init": init.identity} if init else {}),  # absent without one: older checkpoints still resume
@@ -74,7 +82,7 @@ def train_manifest(layout: Layout, rounds: bool, target_id: str, draft_cfg, t, i
         layout, "04_train",
         inputs={**layout.named(layout.hidden_plan if rounds else layout.hidden_index, layout.vocab_map),
                 **({"train.init_from": init.fingerprint} if init else {})},
-        settings={"target": target_id, "draft": dataclasses.asdict(draft_cfg), "batch_max_tokens": t.batch_max_tokens,
+        settings={"target": target_id, "draft": draft_identity(draft_cfg), "batch_max_tokens": t.batch_max_tokens,
                   "seed": t.seed, **({"init_vocab": init.mode} if init else {})},
         replaced={"target_model": "target"})  # recorded by path before
 

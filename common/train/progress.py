@@ -118,6 +118,10 @@ class Progress:
             self.bar.write(f"eval @ step {step}: new best replayed acceptance length {al:.3f} at k={k}: checkpointed")
         return True
 
+    def eval_at(self, step: int) -> Optional[dict]:
+        """The eval of this very step (what predicts the weights of that step), or None when none ran at it."""
+        return self.last_eval if self.last_eval is not None and self.last_eval.get("step") == step else None
+
     def describe_last_eval(self) -> str:
         return describe_acceptance(self.last_eval or {}, self.shown_ks)
 
@@ -127,8 +131,9 @@ class Progress:
         return {"log_window": self.window.flat.clone(), "window_steps": self.window_steps, "window_time": self.window_time}
 
     def resume(self, state: dict) -> None:
-        """A checkpoint's window (this rank's), last loss and best."""
+        """A checkpoint's window (this rank's), last loss, its step's eval and best."""
         self.last_train_loss = float(state.get("last_train_loss", float("nan")))
+        self.last_eval = state.get("eval")  # a run resumed at its last step exports with this eval's prediction
         rank_state = state["rank_state"]
         saved_k = state.get("ttt_steps")
         if saved_k is None and "log_window" in rank_state:  # saved before checkpoints recorded it

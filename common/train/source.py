@@ -27,8 +27,9 @@ from common.core.distributed import DistEnv, barrier, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.io import file_sha256, read_json
 from common.core.run_folder import Layout, read_manifest
-from common.hidden.rounds import HiddenPlan, extracted, mark_trained, read_consumed, write_consumed
-from common.hidden.shards import INDEX_SHARD_FIELDS, HiddenIndex, read_entries, verify_shard_files
+from common.hidden.index import INDEX_SHARD_FIELDS, mark_trained, read_consumed, read_entries, write_consumed
+from common.hidden.rounds import HiddenPlan, extracted
+from common.hidden.shards import HiddenIndex, verify_shard_files
 from common.hidden.stream import StreamWait
 from common.train.data import DataPosition, MicroBatch, RoundSamples, TrainData
 from common.train.ledger import SampleLedger
@@ -137,7 +138,7 @@ class TrainSource:
                 return False
             if not plan.has_rounds:
                 return bool(read_json(layout.hidden_index).get("complete"))
-            return extracted(plan.eval_files(), read_entries(layout.hidden_index), layout.hidden)
+            return extracted(plan.eval_files(), read_entries(layout, fragments=False), layout.hidden)
 
         while not ready():
             self.wait.tick("02_extract_hidden to write hidden/plan.json and the first shards")
@@ -152,7 +153,7 @@ class TrainSource:
         """The files of the first round not consumed that is on disk (else just the eval shards): what the
         trainer starts from before it knows its position."""
         consumed = read_consumed(self.layout)
-        listed = read_entries(self.layout.hidden_index)  # once, not once per round
+        listed = read_entries(self.layout, fragments=False)  # once, not once per round
         for rd in self.plan.rounds:
             if rd.number not in consumed and extracted(self.plan.files_of_round(rd.number), listed, self.layout.hidden):
                 self.round_loaded = rd.number
@@ -179,7 +180,7 @@ class TrainSource:
         it (a rank may have loaded it at the start, another not). Streaming: poll until it is there, one decision
         per poll."""
         def decide() -> str:
-            if self.round_loaded == r or extracted(self.plan.files_of_round(r), read_entries(self.layout.hidden_index),
+            if self.round_loaded == r or extracted(self.plan.files_of_round(r), read_entries(self.layout, fragments=False),
                                                    self.layout.hidden):
                 return "ready"
             if self.stream:

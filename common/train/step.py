@@ -10,7 +10,7 @@ What one optimizer step does, and why it is cheap for the host (the GPU must not
   use and in every recomputation (18% of the GPU time when it did). FSDP does the same through its
   mixed-precision policy (bf16 all-gather of fp32 shards), so it gets no copy. fp32: no copy.
 - the TTT loss (common.model.ttt.ttt_loss): one host sync per micro-batch; the attention
-  (common.model.draft.TTTAttention) and the draft lm_head + loss (common.model.ttt.SoftCrossEntropy) have
+  (common.model.draft.attention.TTTAttention) and the draft lm_head + loss (common.model.ttt.SoftCrossEntropy) have
   hand-written backward passes that keep no [rows, keys] or [rows, V_d] tensor between forward and backward.
 - `compile_regions`: torch.compile over each decoder layer's dense parts (norms, projections, RoPE, MLP) with
   fullgraph=True (a graph break is an error, not a slow path), dynamic in the token count so one compile
@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from common.core.distributed import DistEnv
-from common.core.errors import ConfigError
 from common.model.draft import Eagle3DraftModel
 from common.model.ttt import TTTOutput, ttt_loss
 
@@ -188,51 +187,6 @@ class TrainStep:
             self.copy.refresh()
         result.applied = True
         return result
-
-
-def resolve_attention(requested: str, config, device: torch.device) -> tuple[str, str]:
-    """train.attention_impl resolved: "auto" = flex where its backward runs and agrees with the chunked
-    attention on this device (checked here on a small problem: CUDA only, flex has no CPU backward), else
-    chunked. Returns (impl, why), printed by 04."""
-    if requested == "flex" and device.type != "cuda":
-        raise ConfigError("train.attention_impl=flex needs a CUDA GPU (flex_attention has no backward on CPU); set it "
-                          "to auto or chunked")
-    if requested != "auto":
-        return requested, "train.attention_impl"
-    if device.type != "cuda":
-        return "chunked", "flex_attention has no CPU backward"
-    problem = flex_self_check(config.num_attention_heads, config.num_key_value_heads, config.head_dim, device)
-    if problem:
-        return "chunked", f"flex_attention unusable here: {problem}"
-    return "flex", "flex_attention checked against chunked on this GPU"
-
-
-def flex_self_check(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> Optional[str]:
-    """None when flex_attention's forward and backward run at this head layout on `device` and equal the
-    chunked attention's (bf16 tolerance); else why not, in a few words (e.g. PyTorch #198224: flex's backward
-    fails on SM120 for head_dim > 128)."""
-    from common.model.draft import ATTENTION_IMPLS, AttentionMeta, PackedLayout
-
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        seq_lens, steps = [200, 56], 3
-        T = sum(seq_lens)
-        make = lambda h: torch.randn(T, h, head_dim, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
-        q = make(heads)
-        ks, vs = [make(kv_heads) for _ in range(steps)], [make(kv_heads) for _ in range(steps)]
-        results = []
-        for impl in ("flex", "chunked"):
-            meta = AttentionMeta(PackedLayout.build(seq_lens, T, device), impl=impl)
-            out = ATTENTION_IMPLS[impl](q, ks, vs, meta)
-            grads = torch.autograd.grad(out.float().square().sum(), [q, *ks, *vs])
-            results.append([out, *grads])
-        for a, b in zip(*results):
-            err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-            if not err < 0.05:
-                return f"its result differs from chunked by {err:.2g} (relative)"
-        return None
-    except Exception as e:  # any failure means: use the chunked attention
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def resolve_compile(requested: Optional[bool], device: torch.device) -> tuple[bool, str]:

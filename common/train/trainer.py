@@ -5,8 +5,9 @@ Reads hidden/ (common.train.data), the vocab map (common.vocab.vocab_map) and th
 under run_dir/train/: checkpoints/step-N/ (common.train.checkpoint), metrics.jsonl, tb/ (TensorBoard, if
 installed), eval_report.json, final/ (the vLLM-loadable draft, common.train.export) and best/ (the
 checkpoint with the best replayed acceptance length at evaluate.num_speculative_tokens, exported the
-same way, with best.json). Before loading anything it prints its memory plan and refuses to start when
-it cannot fit (common.train.memory_plan). Formats:
+same way, with best.json); each export with prediction.json, the eval at its step (what 05 compares with
+vLLM). Before loading anything it prints its memory plan and refuses to start when it cannot fit
+(common.train.memory_plan). Formats:
 docs/design.md#artifact-formats; the loss: docs/design.md#ttt-alignment-and-loss.
 
 Runs:
@@ -47,20 +48,20 @@ from common.core.distributed import DistEnv, barrier, close_distributed, init_di
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import format_bytes, read_json
 from common.core.run_folder import Layout
-from common.model.draft import Eagle3DraftModel, build_draft_config
+from common.model.draft import choose_attention
 from common.model.draft_vocab import load_vocab_map
 from common.target.loading import load_target_info, load_target_tensors
 from common.train.checkpoint import load_latest, save_checkpoint, truncate_metrics
 from common.train.data import DataPosition
-from common.train.export import export_best, export_final
-from common.train.init_from import InitDraft
+from common.train.export import export_best, export_final, prediction_record
+from common.train.init_from import InitDraft, draft_family_for
 from common.train.ledger import LEDGER_FILE
 from common.train.memory_plan import check_fits, gpu_capacity, plan_for_capacity
 from common.train.optim import build_optimizer, lr_at
 from common.train.preflight import check_target, decide_outputs, resolve_precision, run_fingerprint, train_manifest
 from common.train.progress import Progress
 from common.train.source import TrainSource
-from common.train.step import StepSettings, TrainStep, resolve_attention, resolve_compile
+from common.train.step import StepSettings, TrainStep, resolve_compile
 
 
 def run_training(cfg, overwrite: bool = False) -> int:
@@ -86,6 +87,8 @@ class Trainer:
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env, self.t = cfg, env, cfg.train
         self.layout = layout = Layout.of(cfg)
+        if not cfg.train.init_from:  # draft.architecture checked before any input is read (streaming may wait for 02)
+            draft_family_for(cfg)
         # Inputs, checked before anything is written: the hidden states (and under a disk budget 02's rounds,
         # streaming: waiting for 02), the target they came from, the vocab map, train.init_from.
         self.source = source = TrainSource(cfg, env, self.say)
@@ -96,10 +99,11 @@ class Trainer:
         # train.init_from: the init's architecture and the vocab map of train.init_vocab (common.train.init_from)
         self.init = InitDraft.read(cfg, self.info, source.index.aux_layer_ids, self.d2t, self.t2d, layout, env) \
             if cfg.train.init_from else None
+        self.family = draft_family_for(cfg, self.init)  # the draft family: what is built, trained and exported
         if self.init is not None:
             self.d2t, self.t2d, self.draft_cfg = self.init.d2t, self.init.t2d, self.init.draft_cfg
         else:
-            self.draft_cfg = build_draft_config(cfg, self.info, self.d2t.numel(), source.index.aux_layer_ids)
+            self.draft_cfg = self.family.build_config(cfg, self.info, self.d2t.numel(), source.index.aux_layer_ids)
 
         self.dtype = resolve_precision(cfg, env.device)
         self.on_gpu = env.device.type == "cuda"
@@ -153,7 +157,10 @@ class Trainer:
         np.random.seed(t.seed + env.rank)
         if not self.on_gpu:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        draft = Eagle3DraftModel(self.draft_cfg)
+        d = self.draft_cfg
+        attention, attention_why = choose_attention(t.attention_impl, d.num_attention_heads, d.num_key_value_heads, d.head_dim, env.device)
+        draft = self.family.build(d, attention=attention,
+                                  gradient_checkpointing=self.memory_plan.setting["gradient_checkpointing"])  # as planned (null: auto)
         draft.load_target_embedding(target["embed"].float())
         if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:
             draft.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: same values, half the memory
@@ -163,9 +170,7 @@ class Trainer:
                 draft.lm_head.weight.copy_(target["lm_head"][draft.draft_vocab_target_ids()].float())
         if self.init is not None:  # its weights over these (a resume then loads its checkpoint over them)
             self.say(self.init.load_into(draft))
-        draft.gradient_checkpointing = self.memory_plan.setting["gradient_checkpointing"]  # as planned (null: auto)
         draft.to(env.device)
-        draft.attention_impl, attention_why = resolve_attention(t.attention_impl, draft.config, env.device)
         self.draft = draft  # the fp32 master weights: what the optimizer updates, checkpoints and exports hold
         # The teacher's lm_head: on the device, in the compute dtype; not trained, not saved.
         self.lm_head = target["lm_head"].to(env.device, dtype=self.dtype)
@@ -176,7 +181,7 @@ class Trainer:
                                 parallel=t.parallel, compile=compile_on, anchor_weight=t.anchor_weight)
         self.step_fn = TrainStep(draft, self.lm_head,
                                  lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu), settings,
-                                 env, wrap=lambda m: wrap_parallel(m, env, t.parallel, self.dtype))
+                                 env, wrap=lambda m: wrap_parallel(m, env, t.parallel, self.dtype, self.family.fsdp_unit_classes))
         self.model, self.optimizer = self.step_fn.model, self.step_fn.optimizer
         if t.anchor_weight > 0:  # L2-SP towards the init's weights, which the draft holds now (not saved: re-read on resume)
             self.step_fn.set_anchor()
@@ -370,6 +375,7 @@ class Trainer:
             "world_size": self.env.world_size, "grad_accum": self.t.grad_accum,
             "global_micro_batches": self.data.micro_per_step, "last_train_loss": p.last_train_loss,
             "ttt_steps": self.K, "best": p.best,
+            "eval": p.eval_at(self.step),  # the prediction of these weights, should they be exported as train/best
         }
         save_checkpoint(self.layout, self.step, self.draft, self.optimizer, state, self.env, self.t.keep_checkpoints,
                         p.rank_state(), files={LEDGER_FILE: self.source.ledger.to_json()})
@@ -388,7 +394,8 @@ class Trainer:
                                         "anchor_weight": self.t.anchor_weight},
             "config": self.cfg.to_dict(),
         }
-        export_final(self.t.parallel, self.env, self.draft, self.draft_cfg, index, self.layout, summary)
+        prediction = prediction_record(self.step, p.best_k, p.eval_at(self.step), self.why_no_final_eval())
+        export_final(self.t.parallel, self.env, self.draft, self.draft_cfg, index, self.layout, summary, prediction)
         best_line = export_best(self.env, self.draft_cfg, index, self.layout, p.best, self.step)
         barrier(self.env)
         if self.env.is_main:
@@ -397,3 +404,13 @@ class Trainer:
             self.say(f"04_train: done: {self.step} steps, {self.tokens_seen} tokens in {elapsed:.0f}s "
                      f"({self.tokens_seen / max(1e-9, elapsed):.0f} tok/s), final loss {p.last_train_loss:.4f}; "
                      f"{p.describe_last_eval()}; draft in {self.layout.final}")
+
+    def why_no_final_eval(self) -> str:
+        """Why train/final's prediction.json holds no eval. 04 evaluates at the last step whatever train.eval_every
+        says, so only a run without an eval split, or one resumed at its last step from a checkpoint of an earlier
+        version that recorded no eval (and no train/eval_report.json of that step), has none."""
+        if not self.source.index.split_indices("eval"):
+            return ("this run has no eval split (hidden/index.json lists no eval samples); set data.eval_fraction > 0 "
+                    "and rerun from 01_prepare_data.py for a prediction")
+        return (f"the run resumed at its last step from a checkpoint that records no eval, and {self.layout.train_eval_report} "
+                f"holds none of that step; rerun 04_train.py --overwrite for a prediction")

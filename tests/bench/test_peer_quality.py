@@ -95,6 +95,6 @@ def test_04s_initial_draft_and_first_batch_and_the_export_05_takes(hidden_run, t
     pq.export(trainer, state, out_dir)
     check = pq.verify_export(cfg, out_dir, state, target["embed"])  # our loader, 05's checked_draft
     assert check["config_json_equals_train_final"] is True, check["config_json_diff"]
-    assert "other weights than this run's train/final" in check["no_offline_prediction_because"]
+    assert f"{out_dir} has no prediction.json: 04 predicted nothing for it" in check["no_offline_prediction_because"]
     (out_dir / pq.RESULT_FILE).write_text("{}")
     pq.check_out_dir(out_dir, trainer.layout)  # its own earlier output may be replaced

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from common.core.errors import ConfigError, DataError
-from common.core.run_folder import (Layout, StageBusy, StageManifest, lock_holder, read_manifest, refuse_overwrite_while_read,
-                                     stage_lock)
+from common.core.run_folder import Layout, StageManifest, read_manifest
+from common.core.stage_lock import StageBusy, lock_holder, refuse_overwrite_while_read, stage_lock
 from tests.helpers import hold_lock
 
 

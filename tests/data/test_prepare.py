@@ -12,7 +12,8 @@ import pytest
 
 from common.core.config import config_from_dict
 from common.core.errors import ConfigError, DataError
-from common.data.prepare import prepare_prompts, row_messages, split_of
+from common.core.sources import row_messages
+from common.data.prepare import prepare_prompts, split_of
 from tests.helpers import error_line
 from tests.helpers import REPO, stage_env
 

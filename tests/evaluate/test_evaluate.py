@@ -21,10 +21,11 @@ from common.core.errors import DataError, PipelineError
 from common.core.run_folder import HELD_OUT
 from common.evaluate import serve
 from common.evaluate import stage as evaluate
-from common.evaluate.draft import draft_fingerprint
+from common.evaluate.draft import draft_fingerprint, offline_prediction
 from common.evaluate.plots import plot_report, training_curves
 from common.evaluate.prompt_sets import load_prompt_set
 from common.evaluate.report import compare_outputs, mismatch_examples
+from common.train.export import prediction_record
 from common.serving.vllm_server import metrics_delta, parse_prometheus, scrape_metrics, spec_decode_metrics
 from tests.helpers import FakeVllm, LocalHttpServer
 
@@ -172,13 +173,19 @@ def draft_config_json(aux_layer_ids=(1, 2, 3)) -> str:
 
 def write_draft(path: Path, weights: bytes, aux_layer_ids=(1, 2, 3), **records) -> Path:
     """A stand-in exported draft: a valid config.json, `weights` as model.safetensors (05 hashes them,
-    the fake server never loads them), and records such as best.json={"step": 20}."""
+    the fake server never loads them), and records such as best_json={"step": 20} or prediction_json=
+    prediction_of(eval_line) (04's prediction for it)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(draft_config_json(aux_layer_ids))
     (path / "model.safetensors").write_bytes(weights)
     for name, record in records.items():
         (path / name.replace("_json", ".json")).write_text(json.dumps(record))
     return path
+
+
+def prediction_of(eval_line: dict, k: int = 3) -> dict:
+    """prediction.json as 04 writes it into an export at the eval line's step (common.train.export)."""
+    return prediction_record(eval_line["step"], k, eval_line, why_no_eval="unused: the eval is there")
 
 
 class RunEnv:
@@ -205,9 +212,10 @@ def run_env(tmp_path, monkeypatch, chat_tokenizer_dir):
             messages.append({"role": "user", "content": "and a follow-up"})
         prompts.append({"id": f"p{i}", "messages": messages, "split": "eval" if i % 2 else "train"})
     (run / "data" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    final = write_draft(run / "train" / "final", b"fake weights v1", training_summary_json={"step": 40})
-    (run / "train" / "eval_report.json").write_text(json.dumps(
-        {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02, "4": 2.056}}))
+    last_eval = {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02, "4": 2.056}}
+    final = write_draft(run / "train" / "final", b"fake weights v1", training_summary_json={"step": 40},
+                        prediction_json=prediction_of(last_eval))
+    (run / "train" / "eval_report.json").write_text(json.dumps(last_eval))
     (run / "train" / "metrics.jsonl").write_text(json.dumps({"type": "train", "step": 10, "loss": 3.0, "step_acc": [0.3, 0.2, 0.1, 0.05]}) + "\n")
 
     cfg = config_from_dict({
@@ -458,7 +466,7 @@ def test_offline_prediction_is_the_replay_with_its_error(run_env, capsys):
     eval_report = {"type": "eval", "step": 40, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4, 0.3], "tau": {"3": 2.02},
                    "replay": {"3": {"acceptance_length": 1.8, "per_position": [0.5, 0.2, 0.1], "rounds": 100,
                                     "accepted_per_pos": [50, 20, 10]}}}
-    (run_env.run / "train" / "eval_report.json").write_text(json.dumps(eval_report))
+    (run_env.final / "prediction.json").write_text(json.dumps(prediction_of(eval_report)))
     assert evaluate.run_stage(run_env.cfg) == 0
     report = json.loads((run_env.run / "eval" / "report.json").read_text())
     off = report["offline"]
@@ -523,7 +531,8 @@ def _api_servers_of(pid: int) -> list:
 def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_path):
     """A SIGKILL of 05 takes its vLLM api_server with it (one left running holds its GPU memory, ~70 GB per GPU
     at Kimi scale, and the rerun cannot start). Killed while its server starts, twice: nothing of ours is left
-    within 10 s, and the rerun gets as far as starting its own server again."""
+    (the reaper polls every 0.5 s; the 60 s wait is a hang guard, not a speed bound), and the rerun gets as far as
+    starting its own server again."""
     import os
     import signal
     import time
@@ -555,7 +564,7 @@ def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_pa
             ours = [p for p in psutil.Process(proc.pid).children(recursive=True) if "common.core.reaper" not in " ".join(p.cmdline())]
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-            _, left = psutil.wait_procs(ours, timeout=10)
+            _, left = psutil.wait_procs(ours, timeout=60)
             assert not left, (attempt, [" ".join(p.cmdline())[:80] for p in left])
             assert all(not s.is_running() for s in servers)
         finally:
@@ -567,20 +576,22 @@ def test_sigkill_of_05_takes_its_vllm_server_with_it_and_the_rerun_starts(tmp_pa
 
 
 def eval_row(step: int, al: float, per_position: list[float]) -> dict:
-    """04's eval line (train/metrics.jsonl, train/eval_report.json) with the replay at k=3."""
+    """04's eval line (train/metrics.jsonl, train/eval_report.json, an export's prediction.json) with the replay at k=3."""
     return {"type": "eval", "step": step, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4], "tau": {"3": 2.02},
             "replay": {"3": {"acceptance_length": al, "per_position": per_position, "rounds": 100}}}
 
 
 def test_05_compares_each_draft_with_its_own_prediction(run_env, tmp_path, capsys):
     """`--draft RUN/train/best` is compared with the best checkpoint's prediction, never the final draft's. The
-    draft is recognised by its weights (at any path), its step read from its export, and 04's eval at that step is
-    the prediction; a draft 04 did not export gets none, and the report says so."""
+    prediction is the prediction.json 04 wrote into the draft directory (its eval at the export's step), and it
+    travels with the directory; a draft directory without one gets none, and the report says so."""
     run, train = run_env.run, run_env.run / "train"
     at_20, at_40 = eval_row(20, 2.2, [0.7, 0.4, 0.1]), eval_row(40, 1.8, [0.5, 0.2, 0.1])
     (train / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (at_20, at_40)))
     (train / "eval_report.json").write_text(json.dumps(at_40))  # the latest eval: the final draft's
-    best = write_draft(train / "best", b"weights of step 20", best_json={"step": 20, "k": 3, "acceptance_length": 2.2})
+    (run_env.final / "prediction.json").write_text(json.dumps(prediction_of(at_40)))
+    best = write_draft(train / "best", b"weights of step 20", best_json={"step": 20, "k": 3, "acceptance_length": 2.2},
+                       prediction_json=prediction_of(at_20))
 
     def evaluate_draft(draft) -> tuple[dict, str]:
         capsys.readouterr()
@@ -590,33 +601,47 @@ def test_05_compares_each_draft_with_its_own_prediction(run_env, tmp_path, capsy
     report, out = evaluate_draft(best)
     assert report["draft"] == str(best)
     assert report["offline"]["step"] == 20 and report["offline"]["draft"] == str(best)
+    assert report["offline"]["path"] == str(best / "prediction.json")
     assert report["offline"]["expected_acceptance_length"] == 2.2
     assert report["offline"]["expected_per_position"] == [0.7, 0.4, 0.1]
     assert report["offline_prediction_error"] == pytest.approx((2.2 - 1.9) / 1.9)
     assert "offline replay 2.20 (+15.8%)" in out
 
-    # A copy of the best draft elsewhere: the same weights, the same prediction.
+    # A copy of the best draft elsewhere: its prediction.json comes along, the same prediction.
     copy = shutil.copytree(best, tmp_path / "elsewhere" / "my-draft")
-    (copy / "best.json").unlink()  # what identifies it is the weights, not the files beside them
+    (copy / "best.json").unlink()
     report, _ = evaluate_draft(copy)
     assert report["offline"]["step"] == 20 and report["offline"]["expected_acceptance_length"] == 2.2
+    # read from the copy itself: nothing of the run is looked up for it (its logs of step 20 gone, the same)
+    (train / "metrics.jsonl").write_text(json.dumps(at_40) + "\n")
+    offline = offline_prediction(run_env.cfg, copy)
+    assert offline.missing is None and offline.prediction["path"] == str(copy / "prediction.json")
+    assert offline.prediction["draft"] == str(copy) and offline.prediction["step"] == 20
+    assert offline.prediction["expected_acceptance_length"] == 2.2
 
     # The final draft: the last eval's prediction.
     report, _ = evaluate_draft(run_env.final)
     assert report["offline"]["step"] == 40 and report["offline"]["expected_acceptance_length"] == 1.8
 
-    # A draft with other weights: no prediction, said so, never another draft's.
+    # A draft directory without prediction.json (not exported by this 04): no prediction, said so, never another draft's.
     other = write_draft(tmp_path / "other-draft", b"weights 04 never exported", training_summary_json={"step": 40})
     report, out = evaluate_draft(other)
     assert report["offline"] is None and report["offline_prediction_error"] is None
-    assert report["offline_missing"] == (f"{other} has other weights than this run's train/final and train/best: "
-                                         f"04 predicted nothing for it")
+    assert report["offline_missing"].startswith(f"{other} has no prediction.json: 04 predicted nothing for it (")
     assert "no offline prediction for this draft" in out and "offline replay" not in out
 
-    # The best draft whose step has no eval logged (metrics.jsonl lost it): none, not the final one's.
-    (train / "metrics.jsonl").write_text(json.dumps(at_40) + "\n")
+    # The best draft whose step has no eval (04 recorded why in its prediction.json): none, not the final one's.
+    (best / "prediction.json").write_text(json.dumps(prediction_record(20, 3, None, why_no_eval="the reason 04 gives")))
     report, _ = evaluate_draft(best)
     assert report["offline"] is None and "04 logged no eval at step 20" in report["offline_missing"]
+    assert report["offline_missing"] == f"04 logged no eval at step 20: the reason 04 gives ({best / 'prediction.json'})"
+
+    # A prediction.json that cannot be read (cut short): none, and the reason says which file and what to do.
+    (best / "prediction.json").write_text('{"step": 20, "k": 3, "eval": {"ste')
+    offline = offline_prediction(run_env.cfg, best)
+    assert offline.prediction is None
+    assert offline.missing.startswith(f"cannot read 04's prediction {best / 'prediction.json'} (")
+    assert offline.missing.endswith("re-export the draft (rerun 04_train.py)")
 
 
 def cli_config(run_env) -> Path:

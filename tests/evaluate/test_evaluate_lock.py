@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import signal
 
-from common.core.run_folder import Layout, refuse_read_while_written
+from common.core.run_folder import Layout
+from common.core.stage_lock import refuse_read_while_written
 from common.evaluate import stage as evaluate
 from tests.evaluate.test_evaluate import cli_config, eval_files, run_env, write_draft  # noqa: F401 (run_env: a fixture)
 from tests.helpers import error_line, hold_lock, run_stage

@@ -35,6 +35,7 @@ AUX = [1, 2, 3]  # 4-layer targets; id 0 is out for vLLM's DeepSeek stack
 # Measured max relative error (Frobenius, per sample and tensor) vllm vs hf, bf16 both sides: llama
 # 0.44-0.82%, qwen3 0.48-0.84%, deepseek_v3 (attention output zeroed) 0-2.8%; one layer off: 27-56%.
 MAX_REL_ERROR = 0.05
+ENGINE_READY = "init engine (profile, create kv cache, warmup model) took"  # vLLM's engine core, once started
 MIN_SHIFTED_ERROR = 0.2
 
 
@@ -314,10 +315,12 @@ def test_vllm_backend_parallelism_errors(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sigint_while_the_engine_starts_then_sigkill_after_the_last_shard_leave_nothing_behind(tmp_path):
-    """Ctrl-C while 02 starts its vLLM engine: exit 130 within seconds (vLLM swallows the KeyboardInterrupt in
-    its start-up handshake, so the start itself is interrupted), far inside the stop grace (EAGLE3_STOP_GRACE_S,
-    left at 60 s so that it cannot be what ends the run); the engine processes and the request directory go
-    with it. The next run, SIGKILLed after its last shard while it stops its engine, leaves its request
+    """Ctrl-C while 02 starts its vLLM engine: exit 130 by the interrupt itself (vLLM swallows the KeyboardInterrupt
+    in its start-up handshake, so the start itself is interrupted), not by the stop grace (EAGLE3_STOP_GRACE_S, left
+    at 60 s so that it cannot be what ends the run: its exit says "still stopping after"), and before the engine
+    finished its start (vLLM's ENGINE_READY line never comes; the killed run below shows it does when the start
+    completes). Checked by what happened and in which order, not by a wall-clock bound the machine's load would
+    decide. The engine processes and the request directory go with it. The next run, SIGKILLed after its last shard while it stops its engine, leaves its request
     directory; the run after that finds everything extracted, starts no engine, removes what the killed run
     left, and says it is complete, with every sample once."""
     from common.demo.tiny_target import ensure_tiny_target
@@ -346,18 +349,18 @@ def test_sigint_while_the_engine_starts_then_sigkill_after_the_last_shard_leave_
                               if "common.core.reaper" not in " ".join(c.cmdline())]
                 except psutil.Error:
                     engine = []
-            time.sleep(2.0)  # into the engine core's load of the target (its start takes ~15 s here)
-            t0 = time.monotonic()
+            time.sleep(2.0)  # into the engine core's load of the target (its start takes ~15 s here, longer when loaded)
             os.kill(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=60) == 130, log.read_text(errors="replace")[-3000:]
-            took = time.monotonic() - t0
-            _, orphans = psutil.wait_procs(engine, timeout=15)
+            assert proc.wait(timeout=300) == 130, log.read_text(errors="replace")[-3000:]  # the timeout: a hang guard
+            _, orphans = psutil.wait_procs(engine, timeout=60)  # SIGKILLed: gone at once, reaped when scheduled
             assert not orphans, [" ".join(o.cmdline())[:80] for o in orphans]
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert took < 8, (took, log.read_text(errors="replace")[-3000:])
-    assert "interrupted" in log.read_text(errors="replace") and "Traceback" not in log.read_text(errors="replace")
+    text = log.read_text(errors="replace")
+    assert "interrupted; finished work is saved" in text and "still stopping after" not in text, text[-3000:]
+    assert ENGINE_READY not in text, text[-3000:]  # the start itself was interrupted, not waited for
+    assert "Traceback" not in text
     assert "INFO extract: starting vLLM" in log.read_text(errors="replace")  # it was the start that got interrupted
     assert not list(hidden.glob("vllm-requests*")) and not list(hidden.glob("shard-*"))
 
@@ -375,6 +378,7 @@ def test_sigint_while_the_engine_starts_then_sigkill_after_the_last_shard_leave_
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]  # it was still stopping
+    assert ENGINE_READY in log.read_text(errors="replace")  # what a finished start logs (absent above)
     assert (hidden / "vllm-requests.rank-00000.tmp").is_dir()
     shards = {p.name: p.read_bytes() for p in hidden.glob("shard-*")}
 

@@ -15,22 +15,17 @@ from safetensors.torch import load_file
 from common.core.distributed import DistEnv
 from common.core.errors import DataError
 from common.core.run_folder import Layout
+from common.hidden.index import build_index, index_header, read_entries, shard_entry, write_fragment, write_index
 from common.hidden.shards import (
     FORMAT_VERSION,
     READ_VERSIONS,
     ShardReader,
     HiddenIndex,
-    build_index,
     bytes_per_token,
     fp8_decode,
     fp8_encode,
-    index_header,
-    read_entries,
-    shard_entry,
     verify_entry,
     verify_shard_files,
-    write_fragment,
-    write_index,
     write_safetensors,
     write_shard,
 )
@@ -80,7 +75,7 @@ def write_run(run_dir: Path, splits=(("train", 2), ("eval", 1)), storage: str = 
     for shard in plan_shards:
         samples, batches = written[shard["file"]]
         entries[shard["file"]] = shard_entry(shard, write_shard(layout.hidden / shard["file"], samples, batches, storage))
-        write_index(layout.hidden_index, build_index(header, plan_shards, entries))
+        write_index(layout, build_index(header, plan_shards, entries))
     return layout, written
 
 
@@ -128,13 +123,14 @@ def test_writer_then_reader_gives_the_same_tensors(tmp_path):
 
 def test_index_fragments_merge_with_the_index(tmp_path):
     layout, _ = write_run(tmp_path / "run")
-    entries = read_entries(layout.hidden_index, layout.index_fragments())
+    entries = read_entries(layout)
     assert sorted(entries) == [p.name for p in layout.shard_files()]
     extra = {**entries["shard-00000.safetensors"], "file": "shard-00009.safetensors"}
-    write_fragment(layout.index_fragment(1), 1, [extra])
+    write_fragment(layout, 1, [extra])
     assert layout.index_fragments() == [layout.index_fragment(1)]
-    merged = read_entries(layout.hidden_index, layout.index_fragments())
+    merged = read_entries(layout)
     assert set(merged) == set(entries) | {"shard-00009.safetensors"}
+    assert read_entries(layout, fragments=False) == entries  # 04's view: what index.json lists
 
 
 @pytest.mark.parametrize("version", [3, 0, None, "1"])
@@ -146,7 +142,7 @@ def test_an_index_in_another_format_version_is_one_clear_error(tmp_path, version
     else:
         raw["format_version"] = version
     layout.hidden_index.write_text(json.dumps(raw))
-    for read in (lambda: HiddenIndex.load(layout.hidden_index), lambda: read_entries(layout.hidden_index)):
+    for read in (lambda: HiddenIndex.load(layout.hidden_index), lambda: read_entries(layout)):
         with pytest.raises(DataError) as e:
             read()
         msg = str(e.value)
@@ -171,7 +167,7 @@ def test_format_version_1_run_folders_keep_loading(tmp_path):
     samples, batches = written[index.shards[0].file]
     rows = ShardReader(index).read([0])
     assert torch.equal(rows["aux_hidden"], batches[0]["aux"][:len(samples[0]["input_ids"])])
-    assert sorted(read_entries(layout.hidden_index)) == [p.name for p in layout.shard_files()]
+    assert sorted(read_entries(layout)) == [p.name for p in layout.shard_files()]
 
 
 def test_fp8_shards_round_trip_and_cost_about_half_of_bf16(tmp_path):
@@ -240,7 +236,7 @@ def test_non_finite_states_are_refused_by_the_writer(tmp_path, bad):
 
 def test_verify_catches_truncated_and_corrupted_shards(tmp_path):
     layout, _ = write_run(tmp_path / "run")
-    entries = read_entries(layout.hidden_index)
+    entries = read_entries(layout)
     names = sorted(entries)
     index = HiddenIndex.load(layout.hidden_index)
     assert all(verify_entry(layout.hidden / n, entries[n], "sha256") is None for n in names)

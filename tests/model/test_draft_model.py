@@ -8,15 +8,8 @@ import math
 import pytest
 import torch
 
-from common.model.draft import (
-    DraftModelConfig,
-    Eagle3DraftModel,
-    PackedLayout,
-    build_ttt_mask,
-    chunked_ttt_attention,
-    naive_ttt_attention,
-    AttentionMeta,
-)
+from common.model.draft import AttentionMeta, DraftModelConfig, Eagle3DraftModel, PackedLayout
+from common.model.draft.attention import build_ttt_mask, chunked_ttt_attention, naive_ttt_attention
 from common.core.errors import ConfigError, DataError
 
 H, H_T, V, V_D = 64, 48, 300, 100

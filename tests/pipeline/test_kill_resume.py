@@ -222,10 +222,12 @@ def eval_run(root: Path, tokenizer_dir: Path) -> Path:
     (final / "config.json").write_text(json.dumps(DraftModelConfig(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
         draft_vocab_size=128, target_hidden_size=64, aux_layer_ids=[1, 2, 3]).to_vllm_config()))
-    (final / "training_summary.json").write_text(json.dumps({"step": 10}))  # the step 05 takes 04's prediction at
+    (final / "training_summary.json").write_text(json.dumps({"step": 10}))
     (final / "model.safetensors").write_bytes(b"fake weights")
-    (run_dir / "train" / "eval_report.json").write_text(json.dumps({"type": "eval", "step": 10, "loss": 1.0,
-                                                                    "step_acc": [0.6, 0.5, 0.4], "tau": {"3": 2.02}}))
+    last_eval = {"type": "eval", "step": 10, "loss": 1.0, "step_acc": [0.6, 0.5, 0.4], "tau": {"3": 2.02}}
+    (run_dir / "train" / "eval_report.json").write_text(json.dumps(last_eval))
+    # 04's prediction for the draft, beside it (common.train.export.prediction_record): what 05 reads
+    (final / "prediction.json").write_text(json.dumps({"step": 10, "k": 3, "eval": last_eval, "missing": None}))
     cfg = root / "run.yaml"
     cfg.write_text(yaml.safe_dump({"run_dir": str(run_dir), "target": {"model": str(target), "dtype": "float32"},
                                    "evaluate": {"num_prompts": 8, "num_speculative_tokens": 3, "max_tokens": 64,

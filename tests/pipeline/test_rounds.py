@@ -327,11 +327,12 @@ def test_streaming_04_stops_with_one_error_line_when_02_never_comes(tmp_path, ta
     tree = yaml.safe_load(cfg.read_text())
     tree["extract"]["stream_wait_minutes"] = 0.05  # 3 s
     write_yaml(cfg, tree)
-    t0 = time.monotonic()
-    res = run_stage("04_train.py", cfg, timeout=300)
+    res = run_stage("04_train.py", cfg, timeout=300)  # the timeout: a hang guard
     error_line(res, "04_train waited", "is 02_extract_hidden running?", "extract.stream_wait_minutes=0.05")
     assert "04_train: waiting for 02_extract_hidden to write hidden/plan.json" in res.stdout
-    assert time.monotonic() - t0 < 120
+    # Stopped at its 3 s limit, before the wait's first heartbeat (a minute of waiting): read in 04's own output, not
+    # timed with its start-up, which the machine's load decides (tests/hidden/test_stream.py times the wait exactly).
+    assert "still waiting" not in res.stdout
     assert not (tmp_path / "alone" / "run" / "train").exists()  # nothing written
 
 
@@ -345,7 +346,8 @@ def test_streaming_04_stops_with_one_error_line_when_02_never_comes(tmp_path, ta
 def consume_round(run_dir: Path, plan: dict, r: int) -> None:
     """What 04 does at a round's end (TrainSource.round_trained): record it in consumed.json, then delete its shards."""
     from common.core.run_folder import Layout
-    from common.hidden.rounds import HiddenPlan, mark_trained
+    from common.hidden.index import mark_trained
+    from common.hidden.rounds import HiddenPlan
 
     assert all((run_dir / "hidden" / f).is_file() for f in HiddenPlan(plan).rounds[r].shards)  # 04 deletes what it trained
     mark_trained(Layout.of(str(run_dir)), HiddenPlan(plan), {r})

@@ -1,11 +1,13 @@
 """04 keeps the checkpoint with the best replayed acceptance length and exports it as train/best/
 (docs/design.md#artifact-formats, #resume-rules): the step whose logged eval/replay_al_k is the
-highest, kept through keep_checkpoints pruning and through a SIGKILL + resume."""
+highest, kept through keep_checkpoints pruning and through a SIGKILL + resume. Each export carries
+prediction.json, the eval at its own step, which 05 reads beside the draft it measures."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,14 +95,20 @@ def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
         assert checkpoint_steps(run_dir) == [50, 60]  # step 10 went once step 50 was the best and step 60 the kept one
         assert json.loads((run_dir / "train" / "best" / "best.json").read_text())["step"] == 50
         _assert_best_export_is_checkpoint(run_dir, 50)
+        evals = {r["step"]: r for r in read_metrics(run_dir) if r["type"] == "eval"}  # each export's prediction: its step's
+        assert json.loads((run_dir / "train" / "best" / "prediction.json").read_text())["eval"] == evals[50]
+        assert json.loads((run_dir / "train" / "final" / "prediction.json").read_text())["eval"] == evals[60]
     a = load_file(str(tmp_path / "ref" / "run" / "train" / "best" / "model.safetensors"))
     b = load_file(str(cut_run / "train" / "best" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_without_an_eval_split_only_the_last_is_exported(hidden_run, tmp_path, one_torch_thread, capsys):
-    """No eval shards (index.json lists only train shards): 04 says so and exports only train/final."""
+    """No eval shards (index.json lists only train shards): 04 says so and exports only train/final, whose
+    prediction.json says why there is no eval at its step; 05 reports that as the reason it has no prediction."""
     from common.core.config import load_config
+    from common.core.run_folder import Layout
+    from common.evaluate.draft import checked_draft
     from common.train.trainer import run_training
 
     cfg_path = clone_run(hidden_run, tmp_path, max_steps=6, eval_every=3, checkpoint_every=3, keep_checkpoints=1)
@@ -114,3 +122,72 @@ def test_without_an_eval_split_only_the_last_is_exported(hidden_run, tmp_path, o
     out = capsys.readouterr().out
     assert "no eval ran" in out and "train/best is not written" in out
     assert (run_dir / "train" / "final" / "model.safetensors").is_file() and not (run_dir / "train" / "best").exists()
+    final = run_dir / "train" / "final"
+    prediction = json.loads((final / "prediction.json").read_text())
+    assert prediction["step"] == 6 and prediction["eval"] is None
+    assert prediction["missing"].startswith("04 logged no eval at step 6: this run has no eval split")
+    cfg = load_config(cfg_path)
+    offline = checked_draft(cfg, Layout.of(cfg), None, foreign_draft=False).offline  # 05 on train/final
+    assert offline.prediction is None and offline.missing == f"{prediction['missing']} ({final / 'prediction.json'})"
+
+
+def test_each_export_carries_the_eval_at_its_step_and_05_reads_it_beside_the_draft(hidden_run, tmp_path,
+                                                                                    one_torch_thread):
+    """train/final and train/best each hold prediction.json: the eval 04 logged at that export's own step (best:
+    step 4, final: step 10, evaluated although eval_every does not divide max_steps). 05 reads it from the draft
+    directory it measures: a copy elsewhere keeps its prediction with nothing of the run's train/ left, and a
+    draft directory without prediction.json gets the reason there is none."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from scripted_al_run import main as scripted_main
+
+    from common.core.config import load_config
+    from common.core.run_folder import Layout
+    from common.evaluate.draft import checked_draft, offline_report
+
+    cfg_path = clone_run(hidden_run, tmp_path, max_steps=10, eval_every=4, checkpoint_every=10, keep_checkpoints=1)
+    assert scripted_main(str(cfg_path), {"4": 2.0, "8": 1.5, "10": 1.2}) == 0
+    run_dir = tmp_path / "run"
+    evals = {r["step"]: r for r in read_metrics(run_dir) if r["type"] == "eval"}
+    assert sorted(evals) == [4, 8, 10]  # the last step is evaluated whatever eval_every says
+    for export, step in (("final", 10), ("best", 4)):
+        prediction = json.loads((run_dir / "train" / export / "prediction.json").read_text())
+        assert prediction == {"step": step, "k": int(K), "eval": evals[step], "missing": None}, export
+
+    cfg = load_config(cfg_path)
+    layout = Layout.of(cfg)
+    copy = shutil.copytree(run_dir / "train" / "best", tmp_path / "elsewhere" / "best-copy")
+    shutil.rmtree(run_dir / "train")  # nothing of the run's logs or exports is read for it
+    offline = checked_draft(cfg, layout, str(copy), foreign_draft=False).offline
+    assert offline.missing is None
+    assert offline.prediction == offline_report(cfg, evals[4], copy / "prediction.json", copy)
+    assert offline.prediction["step"] == 4 and offline.prediction["expected_acceptance_length"] == 2.0
+
+    (copy / "prediction.json").unlink()  # e.g. a draft exported by an earlier version of 04
+    offline = checked_draft(cfg, layout, str(copy), foreign_draft=False).offline
+    assert offline.prediction is None
+    assert offline.missing.startswith(f"{copy} has no prediction.json: 04 predicted nothing for it (")
+
+
+def test_a_run_resumed_at_its_last_step_exports_the_eval_its_checkpoint_records(hidden_run, tmp_path, one_torch_thread,
+                                                                                 capsys):
+    """Stopped after its last checkpoint and before its export (here train/final and train/eval_report.json are
+    removed): the rerun resumes at the last step, evaluates nothing, and train/final's prediction.json is still
+    that step's eval, the one the checkpoint records (state.json "eval")."""
+    from common.core.config import load_config
+    from common.train.trainer import run_training
+
+    cfg_path = clone_run(hidden_run, tmp_path, max_steps=4, eval_every=2, checkpoint_every=2, keep_checkpoints=1)
+    assert run_training(load_config(cfg_path)) == 0
+    run_dir = tmp_path / "run"
+    final = run_dir / "train" / "final"
+    before = json.loads((final / "prediction.json").read_text())
+    state = json.loads((run_dir / "train" / "checkpoints" / "step-4" / "state.json").read_text())
+    assert before["step"] == 4 and before["eval"]["step"] == 4 and state["eval"] == before["eval"]
+
+    shutil.rmtree(final)
+    (run_dir / "train" / "eval_report.json").unlink()
+    capsys.readouterr()
+    assert run_training(load_config(cfg_path)) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert not (run_dir / "train" / "eval_report.json").exists()  # no eval ran again
+    assert json.loads((final / "prediction.json").read_text()) == before

@@ -236,6 +236,9 @@ def test_resume_after_sigkill_is_exact(hidden_run, tmp_path):
     # the logged curve itself is identical (only tokens/s and elapsed time depend on the interruption)
     for key in ("loss", "step_losses", "step_acc", "grad_norm", "lr", "tokens", "tau"):
         assert [r.get(key) for r in cut_rows] == [r.get(key) for r in ref_rows], key
+    for export in ("final", "best"):  # and so is each export's prediction (the eval at its step)
+        ref_prediction = json.loads((tmp_path / "ref" / "run" / "train" / export / "prediction.json").read_text())
+        assert json.loads((cut_run / "train" / export / "prediction.json").read_text()) == ref_prediction, export
 
     # a third run: already complete
     again = subprocess.run(train_cmd(cut_cfg), env=env, capture_output=True, text=True, timeout=600)

@@ -1,0 +1,121 @@
+"""Who may touch a run folder's stage outputs while another stage runs (docs/design.md#run-folder).
+
+`stage_lock`: an exclusive flock on run_dir/stages/<stage>.lock, held for the stage's life. The OS releases it
+when the process dies (SIGKILL included), so a lock is never stale; a second copy fails at once with the
+holder's pid. `lock_holder` probes another stage's lock; READS_FROM and the two refusals keep --overwrite
+from deleting what a running stage reads, and a reader from reading what a running stage writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import errno
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from common.core.errors import PipelineError
+from common.core.run_folder import Layout
+
+
+class StageBusy(PipelineError):
+    """Another process holds the stage's lock."""
+
+
+# A probe of another stage's lock (lock_holder) holds it shared for a moment: a stage starting in that
+# moment retries this long before it calls the lock busy.
+_LOCK_RETRY_S = 0.5
+
+
+@contextlib.contextmanager
+def stage_lock(run_dir: str | os.PathLike, stage: str) -> Iterator[None]:
+    """Hold run_dir/stages/<stage>.lock exclusively for the block (flock: released by the OS
+    when the process exits or dies, so it is never stale). A second holder raises StageBusy."""
+    layout = Layout.of(run_dir)
+    path = layout.lock(stage)
+    try:
+        layout.stages.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise PipelineError(f"cannot create the stage lock {path} ({e.strerror}); make run_dir {layout.run_dir} writable "
+                            f"or point run_dir elsewhere") from None
+    try:
+        deadline = time.monotonic() + _LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                raise StageBusy(
+                    f"{stage} is already running on {layout.run_dir} (pid {holder}, lock {path}); wait for it to finish "
+                    f"or stop that process, then rerun"
+                ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock; the file stays (unlinking it would race a waiter)
+
+
+def lock_holder(run_dir: str | os.PathLike, stage: str) -> str | None:
+    """The pid (as written in the lock file) of the process running `stage` on run_dir, or None when
+    none does. Probes with a shared, non-blocking flock that is dropped at once; touches nothing."""
+    path = Layout.of(run_dir).lock(stage)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # never locked here
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+# Which stages read which stages' outputs while they run (docs/design.md#run-folder). --overwrite
+# deletes a stage's outputs, so it is refused while a reader of them runs: a reader would go on with
+# files of two generations (02 --overwrite under a running 04 gave a draft labelled with the old aux ids).
+READS_FROM = {
+    "01b_generate_synthetic": ("01_prepare_data",),
+    "02_extract_hidden": ("01b_generate_synthetic",),
+    "03_build_vocab_map": ("01b_generate_synthetic",),
+    "04_train": ("02_extract_hidden", "03_build_vocab_map"),
+    "05_evaluate": ("01_prepare_data", "04_train"),
+}
+
+
+def refuse_overwrite_while_read(run_dir: str | os.PathLike, stage: str) -> None:
+    """Raise StageBusy when a stage that reads `stage`'s outputs is running on run_dir."""
+    for reader, sources in READS_FROM.items():
+        holder = lock_holder(run_dir, reader) if stage in sources else None
+        if holder is not None:
+            raise StageBusy(
+                f"{stage} --overwrite would delete what {reader} is reading: {reader} is running on "
+                f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")
+
+
+def refuse_read_while_written(run_dir: str | os.PathLike, reader: str, writer: str, outputs: os.PathLike,
+                              reads: Iterable[os.PathLike]) -> None:
+    """Raise StageBusy when `reader` would read under `outputs` (the folder `writer` writes) while `writer` runs on
+    run_dir: 05 measuring train/final while 04 runs, whose --overwrite deletes it and whose export replaces it.
+    The reader holds its own lock meanwhile, so a writer's --overwrite that starts later is refused (READS_FROM)."""
+    # realpath, not resolve(): a symlink loop given as --draft is found unreadable later with one error line
+    root = Path(os.path.realpath(outputs))
+    inside = [Path(p) for p in reads if Path(os.path.realpath(p)).is_relative_to(root)]
+    holder = lock_holder(run_dir, writer) if inside else None
+    if holder is not None:
+        raise StageBusy(
+            f"{reader} would read {inside[0]}, which {writer} is writing: {writer} is running on "
+            f"{Layout.of(run_dir).run_dir} (pid {holder}); wait for it to finish or stop it, then rerun")
