@@ -39,7 +39,7 @@ def worker(args) -> dict:
 
     from common.model.draft import DraftModelConfig, Eagle3DraftModel
     from common.train.data import MicroBatch
-    from common.train.step import StepSettings, TrainStep
+    from common.train.step import StepSettings, build_step
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -64,9 +64,10 @@ def worker(args) -> dict:
     ids = torch.randint(0, V, (T,))
     mask = torch.ones(T, dtype=torch.long)
     pos = torch.cat([torch.arange(s) for s in seq_lens])
-    # 04's own training step (common.train.step): fp32 on CPU, AdamW, no clipping
-    step_fn = TrainStep(draft, lm_head, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4),
-                        StepSettings(ttt_steps=args.ttt_steps, loss_decay=0.8, grad_clip=0.0))
+    # 04's own training step (common.train.step.build_step): fp32 on CPU, 04's AdamW, no clipping; betas and weight
+    # decay are torch's AdamW defaults, as in bench/RESULTS.md's figures (taken when the norms decayed too)
+    step_fn = build_step(draft, lm_head, StepSettings(ttt_steps=args.ttt_steps, loss_decay=0.8, grad_clip=0.0, lr=1e-4,
+                                                      betas=(0.9, 0.999), weight_decay=0.01))
     mb = MicroBatch(ids, mask, aux, final, pos, seq_lens, [str(i) for i in range(len(seq_lens))])
 
     def step():

@@ -1,10 +1,10 @@
 """Stage-04 training throughput on a GPU: tokens/s, MFU and peak memory of 04's own training step.
 
-What runs is 04's step itself, common.train.step.TrainStep (not a copy): the EAGLE-3 draft with fp32 master
-weights and a bf16 compute copy, frozen target embedding inside, the TTT loss with the target lm_head in bf16
-as the teacher, backward, grad-norm clipping and the AdamW step (foreach on GPU), the attention ("auto":
-flex_attention where its start-up check passes on this GPU, else chunked) and torch.compile (on CUDA)
-resolved as 04 resolves them, and printed. The inputs are synthetic (random hidden states of the right
+What runs is 04's step itself, built by common.train.step.build_step as 04 builds it (not a copy): the EAGLE-3
+draft with fp32 master weights and a bf16 compute copy, frozen target embedding inside, the TTT loss with the
+target lm_head in bf16 as the teacher, backward, grad-norm clipping and the AdamW step (foreach on GPU), the
+attention ("auto": flex_attention where its start-up check passes on this GPU, else chunked) and torch.compile
+(on CUDA) resolved as 04 resolves them, and printed. The inputs are synthetic (random hidden states of the right
 shapes: the speed does not depend on their values): one packed row per micro-batch holding `--samples`
 samples (default one) of seq_len / samples tokens, ttt_steps 7.
 
@@ -108,14 +108,14 @@ def synthetic_batch(spec: dict, seq_len: int, device, gen: torch.Generator, samp
     return MicroBatch(ids, mask, aux, final, positions, [n] * samples, [f"synthetic-{s}" for s in range(samples)])
 
 
-def build_step(spec: dict, device, gen: torch.Generator, *, ttt_steps: int = 7, attention: str = "auto",
-               gradient_checkpointing: bool = False, compile: bool | None = None, dtype=torch.bfloat16, max_len: int = 4096):
-    """04's training step (common.train.step.TrainStep) over a draft of these sizes, built as 04 builds it: fp32
+def build_bench_step(spec: dict, device, gen: torch.Generator, *, ttt_steps: int = 7, attention: str = "auto",
+                     gradient_checkpointing: bool = False, compile: bool | None = None, dtype=torch.bfloat16,
+                     max_len: int = 4096):
+    """04's training step (common.train.step.build_step) over a draft of these sizes, built as 04 builds it: fp32
     master weights, frozen embedding, a vocab map, the bf16 teacher lm_head, 04's AdamW (foreach on GPU), the
     attention and torch.compile resolved as 04 resolves them. Returns (step, trainable params)."""
     from common.model.draft import DraftModelConfig, Eagle3DraftModel, choose_attention
-    from common.train.optim import build_optimizer
-    from common.train.step import StepSettings, TrainStep, resolve_compile
+    from common.train.step import StepSettings, build_step, resolve_compile
 
     H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
     cfg = DraftModelConfig(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
@@ -133,9 +133,9 @@ def build_step(spec: dict, device, gen: torch.Generator, *, ttt_steps: int = 7, 
     draft.set_vocab_map(draft_ids - torch.arange(Vd), t2d)
     lm_head = (torch.randn(V, H, generator=gen, device=device) * H ** -0.5).to(dtype)
     compile_on, _ = resolve_compile(compile, device)
-    settings = StepSettings(ttt_steps=ttt_steps, loss_decay=0.8, grad_clip=0.5, dtype=dtype, compile=compile_on)
-    adamw = lambda m: build_optimizer(m, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=device.type == "cuda")  # noqa: E731
-    return TrainStep(draft, lm_head, adamw, settings), sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    settings = StepSettings(ttt_steps=ttt_steps, loss_decay=0.8, grad_clip=0.5, dtype=dtype, compile=compile_on,
+                            lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    return build_step(draft, lm_head, settings), sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
 
 def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
@@ -144,9 +144,9 @@ def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t_build = time.perf_counter()
-    step_fn, n_params = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention=args.attention,
-                                   gradient_checkpointing=args.gradient_checkpointing, compile=args.compile,
-                                   dtype=args.dtype, max_len=seq_len)
+    step_fn, n_params = build_bench_step(spec, device, gen, ttt_steps=args.ttt_steps, attention=args.attention,
+                                         gradient_checkpointing=args.gradient_checkpointing, compile=args.compile,
+                                         dtype=args.dtype, max_len=seq_len)
     batch = synthetic_batch(spec, seq_len, device, gen, args.samples, args.dtype)
     build_s = time.perf_counter() - t_build
 
@@ -187,12 +187,12 @@ def bench_one(name: str, spec: dict, seq_len: int, args, device) -> dict:
     settings = SimpleNamespace(batch_max_tokens=seq_len, ttt_steps=args.ttt_steps, grad_accum=1, parallel="ddp",
                                gradient_checkpointing=args.gradient_checkpointing,
                                precision="bf16" if args.dtype == torch.bfloat16 else "fp32")
-    planned = plan_memory(step_fn.draft.config, settings, world_size=1, device_type=device.type, embed_bf16=False,
+    planned = plan_memory(step_fn.loss.draft.config, settings, world_size=1, device_type=device.type, embed_bf16=False,
                           max_sample_len=seq_len // args.samples).peak
     result = {
         "config": name, **spec, "seq_len": seq_len, "samples": args.samples, "ttt_steps": args.ttt_steps,
-        "attention": step_fn.draft.attention_impl, "attention_why": step_fn.draft.attention_why,
-        "compile": step_fn.s.compile, "precision": step_fn.describe_precision(),
+        "attention": step_fn.loss.draft.attention_impl, "attention_why": step_fn.loss.draft.attention_why,
+        "compile": step_fn.s.compile, "precision": step_fn.loss.describe_precision(),
         "planned_peak_memory_gb": planned / 1e9, "planned_over_measured": planned / peak_mem if peak_mem else None,
         "gradient_checkpointing": args.gradient_checkpointing, "trainable_params": n_params,
         "first_step_s": first_s, "step_s_median": step_s, "step_s_all": times, "tokens_per_s": seq_len / step_s,
@@ -212,7 +212,7 @@ def count_ops(args, device) -> dict:
     torch.compile (inductor), in fp32 and bf16; and the compiled regions' graph breaks (torch._dynamo.explain)."""
     import torch._dynamo
 
-    from common.train.step import count_dispatched_ops, count_top_level_ops, explain_regions
+    from bench.step_instruments import count_dispatched_ops, count_top_level_ops, explain_regions
 
     spec = CONFIGS["smoke-a"]
     report = {"layout": f"{args.samples} x {args.seq_len // args.samples} tokens, ttt_steps {args.ttt_steps}", "device": device.type}
@@ -220,8 +220,8 @@ def count_ops(args, device) -> dict:
         row = {}
         for compiled in (False, True):
             gen = torch.Generator(device=device).manual_seed(0)
-            step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=compiled,
-                                    dtype=dtype, max_len=args.seq_len)
+            step_fn, _ = build_bench_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked",
+                                          compile=compiled, dtype=dtype, max_len=args.seq_len)
             batch = synthetic_batch(spec, args.seq_len, device, gen, args.samples, dtype)
             run = lambda: step_fn.run([(batch, True)], 1, denominator=None)  # noqa: E731
             run()  # warm-up: compiles; AdamW's state, lazy buffers
@@ -234,9 +234,9 @@ def count_ops(args, device) -> dict:
             torch._dynamo.reset()
         report[str(dtype).replace("torch.", "")] = row
     gen = torch.Generator(device=device).manual_seed(0)
-    step_fn, _ = build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=False,
-                            max_len=args.seq_len)
-    report["graph_breaks"] = explain_regions(step_fn.compute, synthetic_batch(spec, args.seq_len, device, gen, args.samples))
+    step_fn, _ = build_bench_step(spec, device, gen, ttt_steps=args.ttt_steps, attention="chunked", compile=False,
+                                  max_len=args.seq_len)
+    report["graph_breaks"] = explain_regions(step_fn.loss.compute, synthetic_batch(spec, args.seq_len, device, gen, args.samples))
     return report
 
 
@@ -248,7 +248,7 @@ def check_flop_formula() -> str:
 
     spec, T, K = CONFIGS["smoke-a"], 96, 3
     gen = torch.Generator().manual_seed(0)
-    step_fn, _ = build_step(spec, torch.device("cpu"), gen, ttt_steps=K, attention="naive", dtype=torch.float32)
+    step_fn, _ = build_bench_step(spec, torch.device("cpu"), gen, ttt_steps=K, attention="naive", dtype=torch.float32)
     batch = synthetic_batch(spec, T, torch.device("cpu"), gen, dtype=torch.float32)
     with FlopCounterMode(display=False) as counter:
         out = step_fn.loss(batch)

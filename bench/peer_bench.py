@@ -4,7 +4,7 @@ Both implementations train the same EAGLE-3 draft (one layer, fc over 3 concaten
 from the same initial weights (ours, copied name for name into SpecForge's draft) on the same inputs, in one
 process, one after the other:
 
-  ours        bench/gpu_train_bench.py's step, i.e. 04's (common.train.step.TrainStep): fp32 master weights,
+  ours        bench/gpu_train_bench.py's step, i.e. 04's (common.train.step.build_step): fp32 master weights,
               forward and backward in bf16, the TTT loss with the bf16 target lm_head as teacher, clip 0.5,
               AdamW, attention and torch.compile as 04 resolves them; one packed row of `samples` samples
               (position ids restart per sample).
@@ -98,14 +98,16 @@ def make_batch(spec, args, device, gen):
 
 
 def build_ours(spec, device, args, gen) -> SimpleNamespace:
-    """04's full optimizer step (common.train.step.TrainStep, built by bench/gpu_train_bench.py). Returns draft
+    """04's full optimizer step (common.train.step.build_step, called by bench/gpu_train_bench.py). Returns draft
     (fp32 master), lm_head (the bf16 teacher), run(batch) -> loss, and compute + autocast: the module and context
     the training forward runs in (for the bf16 comparison)."""
-    step, _ = gtb.build_step(spec, device, gen, ttt_steps=args.ttt_steps, attention=args.attention, max_len=args.seq_len)
+    step, _ = gtb.build_bench_step(spec, device, gen, ttt_steps=args.ttt_steps, attention=args.attention,
+                                   max_len=args.seq_len)
+    loss = step.loss
     run = lambda mb: step.run([(mb, True)], 1, denominator=None).outputs[0][0].loss  # noqa: E731
-    info = {"attention": step.draft.attention_impl, "compile": step.s.compile, "precision": step.describe_precision()}
-    return SimpleNamespace(draft=step.draft, lm_head=step.teacher_head, run=run, compute=step.compute,
-                           autocast=step.autocast, info=info)
+    info = {"attention": loss.draft.attention_impl, "compile": step.s.compile, "precision": loss.describe_precision()}
+    return SimpleNamespace(draft=loss.draft, lm_head=loss.teacher_head, run=run, compute=loss.compute,
+                           autocast=loss.autocast, info=info)
 
 
 # ------------------------------------------------------------------------------------------------

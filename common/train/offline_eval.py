@@ -12,12 +12,14 @@ from common.model.acceptance import ReplayTotals, product_formula
 from common.core.distributed import DistEnv, NamedSums, all_reduce_sum
 from common.hidden.shards import HiddenIndex
 from common.train.data import eval_micro_batches
+from common.train.step import StepLoss, StepSettings
 
 
 @torch.no_grad()
-def evaluate(step_fn, index: HiddenIndex, reader, cfg, env: DistEnv) -> Optional[dict]:
+def evaluate(loss: StepLoss, index: HiddenIndex, reader, cfg, env: DistEnv) -> Optional[dict]:
     """Teacher-forced per-TTT-step accuracy on the eval split, and the implied acceptance length, computed by
-    04's training step (common.train.step.TrainStep: the same model, precision and loss)."""
+    04's loss (common.train.step.StepLoss: the same model, precision and loss as training; 04 passes its
+    step's, evaluate_export one of its own)."""
     mine, per_rank, stand_in = eval_micro_batches(index, cfg.train.batch_max_tokens, env.world_size, env.rank)
     if per_rank == 0:
         return None
@@ -26,7 +28,7 @@ def evaluate(step_fn, index: HiddenIndex, reader, cfg, env: DistEnv) -> Optional
     sums = NamedSums(weighted_loss=1, denominator=1, weighted_step_losses=K, step_correct=K, step_counts=K)
     # vLLM's rounds replayed over each sample, limited to the tokens 05 lets vLLM generate
     replay = ReplayTotals(K, max_new_tokens=cfg.evaluate.max_tokens)
-    model = step_fn.model
+    model = loss.model
     was_training = model.training
     model.eval()
     for mb_samples in mine:
@@ -34,7 +36,7 @@ def evaluate(step_fn, index: HiddenIndex, reader, cfg, env: DistEnv) -> Optional
         if mb_samples is None and not (env.distributed and cfg.train.parallel == "fsdp"):
             continue
         mb = reader.read(mb_samples if mb_samples is not None else stand_in).to(env.device)
-        out = step_fn.loss(mb, per_position=True)
+        out = loss(mb, per_position=True)
         if mb_samples is None:
             continue
         replay.add_packed_row(out.step_hits.cpu().numpy(), mb.loss_mask.reshape(-1).cpu().numpy(), mb.seq_lens)
@@ -66,14 +68,11 @@ def evaluate_export(draft_dir, cfg) -> Optional[dict]:
     from common.model.export import load_exported_draft
     from common.target.loading import load_target_tensors
     from common.train.data import TrainData
-    from common.train.optim import build_optimizer
-    from common.train.step import StepSettings, TrainStep
 
     t = cfg.train
     target = load_target_tensors(cfg.target.model)
     draft = load_exported_draft(draft_dir, embedding=target["embed"].float())
-    step = TrainStep(draft, target["lm_head"].float(), lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=False),
-                     StepSettings(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, grad_clip=t.grad_clip))
+    loss = StepLoss(draft, target["lm_head"].float(), StepSettings.from_train(t))  # fp32, not compiled, no optimizer
     index = HiddenIndex.load(Layout.of(cfg).hidden_index)
     data = TrainData(index, t.batch_max_tokens, t.seed, world_size=1, rank=0, grad_accum=1, dtype=torch.float32)
-    return evaluate(step, index, data.reader, cfg, DistEnv())
+    return evaluate(loss, index, data.reader, cfg, DistEnv())

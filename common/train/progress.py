@@ -87,8 +87,9 @@ class Progress:
 
     # -- evals and the best checkpoint -----------------------------------------------------
 
-    def evaluate(self, step_fn, index, reader, step: int) -> Optional[dict]:
-        report = evaluate(step_fn, index, reader, self.cfg, self.env)
+    def evaluate(self, loss, index, reader, step: int) -> Optional[dict]:
+        """The offline eval (common.train.offline_eval) through the training step's loss, logged at `step`."""
+        report = evaluate(loss, index, reader, self.cfg, self.env)
         if report is None:
             return None
         report = {"type": "eval", "step": step, **report}

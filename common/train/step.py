@@ -1,7 +1,17 @@
-"""04's training step: the one function that 04's trainer and every benchmark run (docs/design.md#the-training-step-04).
+"""04's training step, assembled in one place (build_step) for 04's trainer and every benchmark
+(docs/design.md#the-training-step-04).
 
-    step = TrainStep(draft, teacher_head, make_optimizer, settings, env)   # draft: fp32 master weights
-    result = step.run(micro_batches, count, denominator, lr)           # forward + backward each, clip, AdamW
+    settings = StepSettings.from_train(cfg.train, dtype, compile)            # or StepSettings(...) by hand (benches)
+    step = build_step(draft, teacher_head, settings, env, fsdp_units)        # draft: fp32 master weights
+    result = step.run(micro_batches, count, denominator, lr)                 # forward + backward each, clip, AdamW
+    out = StepLoss(draft, teacher_head, settings)(micro_batch)               # the loss alone (offline eval)
+
+Two layers:
+- `StepLoss`: the TTT loss of one micro-batch as training computes it: the compute copy, the precision
+  (autocast), the compiled regions. 04's trainer evaluates through its step's loss (`step.loss`), and an
+  exported draft is evaluated through one of its own, with no optimizer.
+- `TrainStep`: one optimizer step on top of a StepLoss: the parallel wrapper (DDP/FSDP), gradient
+  accumulation over micro-batches, the L2-SP anchor, clipping and AdamW.
 
 What one optimizer step does, and why it is cheap for the host (the GPU must not wait on Python):
 - bf16 precision: the forward and backward run on a bf16 *compute copy* of the draft (`ComputeCopy`); the
@@ -28,21 +38,36 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from common.core.distributed import DistEnv
+from common.core.distributed import DistEnv, wrap_parallel
 from common.model.draft import Eagle3DraftModel
 from common.model.ttt import TTTOutput, ttt_loss
+from common.train.optim import build_optimizer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepSettings:
+    """train.* as the step uses them, with dtype and compile resolved for the device."""
+    # the loss (StepLoss)
     ttt_steps: int
     loss_decay: float
-    grad_clip: float  # 0 = no clipping
     dtype: torch.dtype = torch.float32  # compute dtype: bf16 = compute copy + autocast
-    parallel: str = "ddp"  # ddp | fsdp (with more than one process)
+    parallel: str = "ddp"  # ddp | fsdp (with more than one process; fsdp: no compute copy)
     compile: bool = False
     compile_backend: str = "inductor"  # tests: "aot_eager" (dynamo + AOT autograd, no kernels generated)
+    # the update (TrainStep); AdamW as common.train.optim.build_optimizer builds it, the defaults are train.*'s
+    grad_clip: float  # 0 = no clipping
     anchor_weight: float = 0.0  # L2-SP lambda towards the weights at set_anchor() (train.anchor_weight); 0 = off
+    lr: float = 1e-4  # the initial lr: run(..., lr) sets each step's
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+
+    @classmethod
+    def from_train(cls, t, dtype: torch.dtype = torch.float32, compile: bool = False) -> "StepSettings":
+        """From the config's train section; dtype and compile as resolved for the device (resolve_precision,
+        resolve_compile)."""
+        return cls(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, grad_clip=t.grad_clip, dtype=dtype,
+                   parallel=t.parallel, compile=compile, anchor_weight=t.anchor_weight, lr=t.lr, betas=tuple(t.betas),
+                   weight_decay=t.weight_decay)
 
 
 @dataclass
@@ -84,28 +109,65 @@ class ComputeCopy:
         torch._foreach_copy_(self.params, self.master_params)
 
 
-class TrainStep:
-    """One optimizer step over some micro-batches; see the module docstring."""
+class StepLoss:
+    """The TTT loss of one micro-batch, computed as 04 trains: `loss(mb)`; see the module docstring."""
 
-    def __init__(self, draft: Eagle3DraftModel, teacher_head: torch.Tensor, make_optimizer, settings: StepSettings,
-                 env: Optional[DistEnv] = None, wrap=None):
-        """draft: the fp32 master; make_optimizer(draft) -> its optimizer, called once the draft is wrapped (FSDP
-        replaces its parameters); wrap(module) -> the DDP/FSDP-wrapped module (common.core.distributed.wrap_parallel),
-        applied to the compute copy when there is one."""
-        self.draft, self.teacher_head, self.s, self.env = draft, teacher_head, settings, env
+    def __init__(self, draft: Eagle3DraftModel, teacher_head: torch.Tensor, settings: StepSettings,
+                 env: Optional[DistEnv] = None):
+        """draft: the fp32 master; teacher_head: the target's lm_head (in the compute dtype, on the device);
+        env: whether FSDP will shard the draft (then no compute copy: FSDP's bf16 all-gather is one)."""
+        self.draft, self.teacher_head, self.s = draft, teacher_head, settings
         distributed = env is not None and env.distributed
         self.fsdp = distributed and settings.parallel == "fsdp"
         # FSDP's mixed-precision policy already computes on bf16 all-gathered copies of fp32 shards
         self.copy = ComputeCopy(draft, settings.dtype) if settings.dtype != torch.float32 and not self.fsdp else None
-        compute = self.copy.module if self.copy else draft
+        self.compute = self.copy.module if self.copy else draft  # the module forward and backward run on
         if settings.compile:
-            compute.compile_regions(settings.compile_backend)
-        self.compute = compute
-        self.model = wrap(compute) if wrap is not None else compute
+            self.compute.compile_regions(settings.compile_backend)
+        self.model = self.compute  # what the loss calls: TrainStep puts the DDP/FSDP wrapper here
+
+    def __call__(self, mb, denominator: Optional[float] = None, per_position: bool = False) -> TTTOutput:
+        """The TTT loss of micro-batch `mb` (on the device), through the (wrapped) compute model."""
+        with self.autocast():
+            return ttt_loss(self.model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
+                            mb.seq_lens, self.teacher_head, self.s.ttt_steps, self.s.loss_decay, denominator=denominator,
+                            per_position=per_position)
+
+    def autocast(self):
+        if self.s.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.teacher_head.device.type, dtype=self.s.dtype)
+
+    def describe_precision(self) -> str:
+        if self.s.dtype == torch.float32:
+            return "fp32 weights and compute"
+        how = "FSDP's bf16 all-gather of fp32 shards" if self.fsdp else "a bf16 compute copy"
+        return f"fp32 master weights, {how}"
+
+    def refresh(self) -> None:
+        """The master changed outside a step (a checkpoint was loaded into it): bring the compute copy along."""
+        if self.copy is not None:
+            self.copy.refresh()
+
+
+class TrainStep:
+    """One optimizer step over some micro-batches, on top of a StepLoss; see the module docstring."""
+
+    def __init__(self, loss: StepLoss, make_optimizer, env: Optional[DistEnv] = None, wrap=None):
+        """make_optimizer(draft) -> its optimizer, called once the draft is wrapped (FSDP replaces its parameters);
+        wrap(module) -> the DDP/FSDP-wrapped module (common.core.distributed.wrap_parallel). The settings are the
+        loss's (loss.s)."""
+        self.loss, self.s = loss, loss.s
+        # the wrapper goes around the module the loss runs (the compute copy when there is one) and the loss calls
+        # it, so DDP's gradient hooks and FSDP's all-gathers see every forward
+        if wrap is not None:
+            loss.model = wrap(loss.compute)
+        self.model = loss.model
         self.ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
-        self.optimizer = make_optimizer(draft)
+        self.fsdp = loss.fsdp
+        self.optimizer = make_optimizer(loss.draft)
         self.world_size = env.world_size if env is not None else 1
-        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.params = [p for p in loss.draft.parameters() if p.requires_grad]
         self.anchor: Optional[list[torch.Tensor]] = None  # set_anchor()
 
     @torch.no_grad()
@@ -129,30 +191,6 @@ class TrainStep:
         total = total.full_tensor() if hasattr(total, "full_tensor") else total  # FSDP: over every rank's shards
         return self.s.anchor_weight * float(total) ** 2
 
-    def autocast(self):
-        if self.s.dtype == torch.float32:
-            return contextlib.nullcontext()
-        device_type = self.teacher_head.device.type
-        return torch.autocast(device_type, dtype=self.s.dtype)
-
-    def describe_precision(self) -> str:
-        if self.s.dtype == torch.float32:
-            return "fp32 weights and compute"
-        how = "FSDP's bf16 all-gather of fp32 shards" if self.fsdp else "a bf16 compute copy"
-        return f"fp32 master weights, {how}"
-
-    def refresh(self) -> None:
-        """The master changed outside a step (a checkpoint was loaded into it): bring the compute copy along."""
-        if self.copy is not None:
-            self.copy.refresh()
-
-    def loss(self, mb, denominator: Optional[float] = None, per_position: bool = False) -> TTTOutput:
-        """The TTT loss of one micro-batch (on the device), through the (wrapped) compute model."""
-        with self.autocast():
-            return ttt_loss(self.model, mb.aux_hidden, mb.input_ids, mb.final_hidden, mb.loss_mask, mb.position_ids,
-                            mb.seq_lens, self.teacher_head, self.s.ttt_steps, self.s.loss_decay, denominator=denominator,
-                            per_position=per_position)
-
     def run(self, micro_batches: Iterable, count: int, denominator: Optional[float], lr: Optional[float] = None) -> StepResult:
         """micro_batches yields `count` pairs (micro-batch on the device, real): a stand-in (real False) keeps
         the collectives of a rank that ran out of data in step, with weight 0. Each loss is a sum divided by
@@ -161,7 +199,8 @@ class TrainStep:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        if self.copy is None:  # with a copy, its gradients start at None and overwrite the masters'
+        compute_copy = self.loss.copy
+        if compute_copy is None:  # with a copy, its gradients start at None and overwrite the masters'
             self.optimizer.zero_grad(set_to_none=True)
         result = StepResult()
         for j, (mb, real) in enumerate(micro_batches):
@@ -173,8 +212,8 @@ class TrainStep:
                 out = self.loss(mb, denominator)
                 (out.loss * (self.world_size if real else 0.0)).backward()
             result.outputs.append((out, real, mb.num_tokens))
-        if self.copy is not None:
-            self.copy.grads_to_master()
+        if compute_copy is not None:
+            compute_copy.grads_to_master()
         if self.anchor is not None and self.s.anchor_weight > 0:  # before clipping: clipped as part of the loss's gradient
             result.anchor_loss = self.add_anchor_gradient()
         clip = self.s.grad_clip if self.s.grad_clip > 0 else float("inf")
@@ -183,10 +222,26 @@ class TrainStep:
         if not math.isfinite(result.grad_norm):  # the same on every rank (the gradients are all-reduced)
             return result
         self.optimizer.step()
-        if self.copy is not None:
-            self.copy.refresh()
+        if compute_copy is not None:
+            compute_copy.refresh()
         result.applied = True
         return result
+
+
+def build_step(draft: Eagle3DraftModel, teacher_head: torch.Tensor, settings: StepSettings,
+               env: Optional[DistEnv] = None, fsdp_units: tuple[type, ...] = ()) -> TrainStep:
+    """04's training step over `draft` (the fp32 master), as 04's trainer and the benches run it: the loss
+    (StepLoss), the parallel wrapper when `env` has several processes (common.core.distributed.wrap_parallel;
+    fsdp_units: the draft family's fsdp_unit_classes) and 04's AdamW (multi-tensor updates on GPU)."""
+    def wrap(module):
+        return wrap_parallel(module, env, settings.parallel, settings.dtype, fsdp_units)
+
+    def adamw(module):
+        on_gpu = teacher_head.device.type == "cuda"
+        return build_optimizer(module, settings.lr, settings.betas, settings.weight_decay, foreach=on_gpu)
+
+    distributed = env is not None and env.distributed
+    return TrainStep(StepLoss(draft, teacher_head, settings, env), adamw, env, wrap if distributed else None)
 
 
 def resolve_compile(requested: Optional[bool], device: torch.device) -> tuple[bool, str]:
@@ -194,64 +249,3 @@ def resolve_compile(requested: Optional[bool], device: torch.device) -> tuple[bo
     if requested is not None:
         return bool(requested), "train.compile"
     return (True, "CUDA") if device.type == "cuda" else (False, "CPU")
-
-
-def count_dispatched_ops(fn) -> tuple[int, dict]:
-    """(aten ops dispatched while fn() runs, by op name): what the host does per op whatever the op's size
-    (bench/gpu_train_bench.py --count-ops; a test bounds it)."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.by_op = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.by_op[str(func.overloadpacket)] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as counter:
-        fn()
-    return sum(counter.by_op.values()), counter.by_op
-
-
-def count_top_level_ops(fn) -> int:
-    """aten ops called from Python (or from compiled code) while fn() runs, from torch.profiler's record: ops
-    nested in another aten op are not counted. Unlike count_dispatched_ops it works under torch.compile (a
-    dispatch mode makes dynamo fall back), where a fused kernel is no aten op at all."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def top_level(event) -> bool:
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and top_level(e))
-
-
-def explain_regions(draft: Eagle3DraftModel, mb) -> dict:
-    """torch._dynamo.explain over each decoder layer's two compiled regions (DecoderLayer.pre_attention and
-    post_attention), on a micro-batch's step-0 inputs: {region: graph breaks}."""
-    import torch._dynamo
-
-    breaks = {}
-    with torch.no_grad():
-        hidden = draft.combine_aux(mb.aux_hidden)
-        embeds = draft.embed_tokens(mb.input_ids).to(hidden.dtype)
-        cos, sin = (x[:, None, :] for x in draft.rotary(mb.position_ids))
-        for i, layer in enumerate(draft.decoder_layers):
-            pre = torch._dynamo.explain(layer.pre_attention)(hidden, embeds if layer.first else None, cos, sin)
-            q, _, _, residual = layer.pre_attention(hidden, embeds if layer.first else None, cos, sin)
-            post = torch._dynamo.explain(layer.post_attention)(q, residual)
-            breaks[f"layer {i} pre_attention"] = pre.graph_break_count
-            breaks[f"layer {i} post_attention"] = post.graph_break_count
-            hidden = layer.post_attention(q, residual)
-    torch._dynamo.reset()
-    return breaks

@@ -44,7 +44,7 @@ import time
 import numpy as np
 import torch
 
-from common.core.distributed import DistEnv, barrier, close_distributed, init_distributed, on_rank0, wrap_parallel
+from common.core.distributed import DistEnv, barrier, close_distributed, init_distributed, on_rank0
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import format_bytes, read_json
 from common.core.run_folder import Layout
@@ -57,11 +57,11 @@ from common.train.export import export_best, export_final, prediction_record
 from common.train.init_from import InitDraft, draft_family_for
 from common.train.ledger import LEDGER_FILE
 from common.train.memory_plan import check_fits, gpu_capacity, plan_for_capacity
-from common.train.optim import build_optimizer, lr_at
+from common.train.optim import lr_at
 from common.train.preflight import check_target, decide_outputs, resolve_precision, run_fingerprint, train_manifest
 from common.train.progress import Progress
 from common.train.source import TrainSource
-from common.train.step import StepSettings, TrainStep, resolve_compile
+from common.train.step import StepSettings, build_step, resolve_compile
 
 
 def run_training(cfg, overwrite: bool = False) -> int:
@@ -150,7 +150,8 @@ class Trainer:
         return on_rank0(decide, self.env)
 
     def build_model(self, target: dict) -> None:
-        """Draft (seeded: every rank builds the same weights), teacher lm_head (of `target`), parallel wrapper, AdamW."""
+        """Draft (seeded: every rank builds the same weights), teacher lm_head (of `target`), and the training step
+        over them (common.train.step.build_step: the loss, the parallel wrapper, AdamW)."""
         t, env = self.t, self.env
         torch.manual_seed(t.seed)
         random.seed(t.seed + env.rank)
@@ -177,16 +178,13 @@ class Trainer:
         del target
         self.n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
         compile_on, compile_why = resolve_compile(t.compile, env.device)
-        settings = StepSettings(ttt_steps=self.K, loss_decay=t.loss_decay, grad_clip=t.grad_clip, dtype=self.dtype,
-                                parallel=t.parallel, compile=compile_on, anchor_weight=t.anchor_weight)
-        self.step_fn = TrainStep(draft, self.lm_head,
-                                 lambda m: build_optimizer(m, t.lr, t.betas, t.weight_decay, foreach=self.on_gpu), settings,
-                                 env, wrap=lambda m: wrap_parallel(m, env, t.parallel, self.dtype, self.family.fsdp_unit_classes))
+        self.step_fn = build_step(draft, self.lm_head, StepSettings.from_train(t, self.dtype, compile_on), env,
+                                  self.family.fsdp_unit_classes)
         self.model, self.optimizer = self.step_fn.model, self.step_fn.optimizer
         if t.anchor_weight > 0:  # L2-SP towards the init's weights, which the draft holds now (not saved: re-read on resume)
             self.step_fn.set_anchor()
         self.say(f"04_train: step: attention {draft.attention_impl} ({attention_why}), torch.compile "
-                 f"{'on' if compile_on else 'off'} ({compile_why}), {self.step_fn.describe_precision()}")
+                 f"{'on' if compile_on else 'off'} ({compile_why}), {self.step_fn.loss.describe_precision()}")
 
     def init_state(self) -> None:
         """Fresh counters, or the latest complete checkpoint's."""
@@ -194,7 +192,7 @@ class Trainer:
         self.tokens_seen, self.elapsed_before = 0, 0.0
         self.grad_norm = self.anchor_loss = self.lr = None
         latest = load_latest(self.layout, self.draft, self.optimizer, self.env)  # skips damaged ones
-        self.step_fn.refresh()  # the compute copy (bf16) follows the loaded master weights
+        self.step_fn.loss.refresh()  # the compute copy (bf16) follows the loaded master weights
         if latest is None:
             self.source.start(self.pos)
         else:
@@ -286,7 +284,7 @@ class Trainer:
                     self.check_inputs_unchanged()  # before anything is saved, chosen as best or exported
                 new_best = False
                 if eval_due:
-                    report = self.progress.evaluate(self.step_fn, self.source.index, self.data.reader, self.step)
+                    report = self.progress.evaluate(self.step_fn.loss, self.source.index, self.data.reader, self.step)
                     new_best = self.progress.update_best(report, self.step, self.total_steps)
                 # a new best is checkpointed at its step, whatever checkpoint_every says (docs/design.md#resume-rules)
                 if save_due or new_best:

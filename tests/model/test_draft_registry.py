@@ -25,8 +25,7 @@ from common.model.export import export_speculators_draft, export_vllm_draft, loa
 from common.train.data import MicroBatch
 from common.train.init_from import InitDraft, draft_family_for
 from common.train.memory_plan import draft_config_from, plan_memory, trainable_params
-from common.train.optim import build_optimizer
-from common.train.step import StepSettings, TrainStep
+from common.train.step import StepSettings, build_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -170,8 +169,8 @@ def test_a_registered_family_is_planned_trained_exported_and_read_back_by_init_f
     draft.set_vocab_map(d2t, t2d)
     draft.load_target_embedding(torch.randn(V, H, generator=torch.Generator().manual_seed(2)))
     mb, lm_head = micro_batch()
-    step = TrainStep(draft, lm_head, lambda m: build_optimizer(m, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, foreach=False),
-                     StepSettings(ttt_steps=3, loss_decay=0.8, grad_clip=0.5))
+    step = build_step(draft, lm_head, StepSettings(ttt_steps=3, loss_decay=0.8, grad_clip=0.5, lr=1e-2, betas=(0.9, 0.95),
+                                                   weight_decay=0.0))
     losses = [float(step.run([(mb, True)], 1, denominator=None).outputs[0][0].loss.detach()) for _ in range(4)]
     assert losses[-1] < losses[0]
     assert not torch.equal(draft.aux_norm.weight, torch.ones_like(draft.aux_norm.weight))  # the new tensor trained too

@@ -18,12 +18,12 @@ def install(scripted: dict) -> None:
     steps = {"now": None}
     original_step = progress_mod.Progress.evaluate
 
-    def progress_evaluate(self, step_fn, index, reader, step):
+    def progress_evaluate(self, loss, index, reader, step):
         steps["now"] = step
-        return original_step(self, step_fn, index, reader, step)
+        return original_step(self, loss, index, reader, step)
 
-    def evaluate(step_fn, index, reader, cfg, env):
-        report = real(step_fn, index, reader, cfg, env)
+    def evaluate(loss, index, reader, cfg, env):
+        report = real(loss, index, reader, cfg, env)
         value = scripted.get(str(steps["now"]))
         if report is not None and value is not None:
             k = str(min(cfg.evaluate.num_speculative_tokens, cfg.train.ttt_steps))

@@ -198,14 +198,14 @@ def test_remap_carries_the_rows_of_the_shared_tokens(tmp_path, hidden_run, init_
 def test_the_anchor_gradient_is_added_once_per_step_whatever_the_micro_batches():
     """With only stand-in micro-batches (loss weight 0) the gradient is the anchor's alone: 2 lambda (w - w_init),
     the same for one micro-batch or three; the penalty is lambda * sum((w - w_init)^2)."""
-    from common.train.step import StepSettings, TrainStep
+    from common.train.step import StepLoss, StepSettings, TrainStep
     from tests.train.test_step import setup
 
     lam = 0.25
     for count in (1, 3):
         model, mb, lm_head = setup(layers=1)
-        step = TrainStep(model, lm_head, lambda m: torch.optim.SGD(m.trainable_parameters(), lr=0.0),
-                         StepSettings(ttt_steps=2, loss_decay=0.8, grad_clip=0.0, anchor_weight=lam))
+        settings = StepSettings(ttt_steps=2, loss_decay=0.8, grad_clip=0.0, anchor_weight=lam)
+        step = TrainStep(StepLoss(model, lm_head, settings), lambda m: torch.optim.SGD(m.trainable_parameters(), lr=0.0))
         init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         step.set_anchor()
         with torch.no_grad():

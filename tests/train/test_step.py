@@ -9,9 +9,10 @@ import copy
 import pytest
 import torch
 
+from bench.step_instruments import count_dispatched_ops, explain_regions
 from common.train.data import MicroBatch
 from common.train.optim import build_optimizer
-from common.train.step import StepSettings, TrainStep, count_dispatched_ops, explain_regions
+from common.train.step import StepLoss, StepSettings, TrainStep, build_step
 from tests.model.test_ttt import make_batch, make_model, random_vocab_map, reference_ttt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -22,6 +23,12 @@ STEPS, DECAY, CLIP, LR = 3, 0.8, 0.5, 1e-2
 
 def adamw(model):
     return build_optimizer(model, lr=LR, betas=(0.9, 0.95), weight_decay=0.01, foreach=False)
+
+
+def settings(**kw) -> StepSettings:
+    """The step's settings here: build_step's AdamW is the reference's (adamw), fp32 unless told."""
+    return StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP, lr=LR, betas=(0.9, 0.95), weight_decay=0.01,
+                        **kw)
 
 
 def setup(layers=2):
@@ -59,7 +66,7 @@ def test_one_step_equals_the_plain_reference(attention, checkpointing, chunk):
     model, mb, lm_head = setup()
     want_loss, want_grads, want_weights = reference_step(model, mb, lm_head)
     model.attention_impl, model.gradient_checkpointing, model.attn_chunk_size = attention, checkpointing, chunk
-    step = TrainStep(model, lm_head, adamw, StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP))
+    step = build_step(model, lm_head, settings())
     result = step.run([(mb, True)], 1, denominator=None)
     assert result.applied
     out, real, tokens = result.outputs[0]
@@ -84,9 +91,9 @@ def test_flex_attention_loss_equals_the_reference():
     model, mb, lm_head = setup()
     want_loss, _, _ = reference_step(model, mb, lm_head)
     model.attention_impl = "flex"
-    step = TrainStep(model, lm_head, adamw, StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP))
+    loss = StepLoss(model, lm_head, settings())
     with torch.no_grad():
-        out = step.loss(mb)
+        out = loss(mb)
     torch.testing.assert_close(out.loss, want_loss, rtol=1e-5, atol=1e-5)
 
 
@@ -96,15 +103,15 @@ def test_bf16_compute_copy_trains_the_fp32_master():
     model, mb, lm_head = setup()
     want_loss, want_grads, _ = reference_step(model, mb, lm_head)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    step = TrainStep(model, lm_head.bfloat16(), adamw, StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP,
-                                                                   dtype=torch.bfloat16))
-    assert step.compute is not model and step.compute.embed_tokens.weight is model.embed_tokens.weight
+    step = build_step(model, lm_head.bfloat16(), settings(dtype=torch.bfloat16))
+    assert step.loss.compute is not model and step.loss.compute.embed_tokens.weight is model.embed_tokens.weight
     bf16_mb = MicroBatch(mb.input_ids, mb.loss_mask, mb.aux_hidden.bfloat16(), mb.final_hidden.bfloat16(),
                          mb.position_ids, mb.seq_lens, mb.sample_ids)
     result = step.run([(bf16_mb, True)], 1, denominator=None)
     assert result.applied
     torch.testing.assert_close(result.outputs[0][0].loss.detach(), want_loss, rtol=3e-2, atol=0)
-    for (name, master), copy_ in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], step.copy.params):
+    masters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for (name, master), copy_ in zip(masters, step.loss.copy.params):
         assert master.dtype == torch.float32 and master.grad.dtype == torch.float32 and copy_.dtype == torch.bfloat16
         assert copy_.grad is None  # moved to the master
         assert torch.equal(copy_.detach(), master.detach().bfloat16()), name
@@ -114,8 +121,8 @@ def test_bf16_compute_copy_trains_the_fp32_master():
     # a checkpoint loaded into the master: refresh() brings the copy along
     with torch.no_grad():
         model.fc.weight.mul_(2.0)
-    step.refresh()
-    assert torch.equal(step.copy.module.fc.weight, model.fc.weight.bfloat16())
+    step.loss.refresh()
+    assert torch.equal(step.loss.copy.module.fc.weight, model.fc.weight.bfloat16())
 
 
 def test_compiled_regions_equal_eager_and_do_not_break():
@@ -127,9 +134,8 @@ def test_compiled_regions_equal_eager_and_do_not_break():
     torch._dynamo.reset()
     model, mb, lm_head = setup()
     eager = copy.deepcopy(model)
-    e_step = TrainStep(eager, lm_head, adamw, StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP))
-    c_step = TrainStep(model, lm_head, adamw, StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP, compile=True,
-                                                           compile_backend="aot_eager"))
+    e_step = build_step(eager, lm_head, settings())
+    c_step = build_step(model, lm_head, settings(compile=True, compile_backend="aot_eager"))
     assert explain_regions(eager, mb) == {"layer 0 pre_attention": 0, "layer 0 post_attention": 0,
                                           "layer 1 pre_attention": 0, "layer 1 post_attention": 0}
     torch._dynamo.utils.counters.clear()
@@ -168,8 +174,8 @@ def test_ops_per_step_at_the_bench_layout():
     bench = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(bench)
     gen = torch.Generator().manual_seed(0)
-    step, _ = bench.build_step(bench.CONFIGS["smoke-a"], torch.device("cpu"), gen, attention="chunked", compile=False,
-                               dtype=torch.float32, max_len=2048)
+    step, _ = bench.build_bench_step(bench.CONFIGS["smoke-a"], torch.device("cpu"), gen, attention="chunked",
+                                     compile=False, dtype=torch.float32, max_len=2048)
     mb = bench.synthetic_batch(bench.CONFIGS["smoke-a"], 2048, torch.device("cpu"), gen, samples=4, dtype=torch.float32)
     step.run([(mb, True)], 1, denominator=None)  # AdamW's state, lazy buffers
     ops, _ = count_dispatched_ops(lambda: step.run([(mb, True)], 1, denominator=None))
@@ -188,16 +194,15 @@ def test_ddp_reduces_bf16_gradients_in_fp32(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         model, mb, lm_head = setup()
-        plain = TrainStep(copy.deepcopy(model), lm_head.bfloat16(), adamw,
-                          StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP, dtype=torch.bfloat16))
+        plain = build_step(copy.deepcopy(model), lm_head.bfloat16(), settings(dtype=torch.bfloat16))
 
         def wrap(m):
             ddp = DDP(m, broadcast_buffers=False)
             ddp.register_comm_hook(None, fp32_allreduce_hook)
             return ddp
 
-        wrapped = TrainStep(model, lm_head.bfloat16(), adamw,
-                            StepSettings(ttt_steps=STEPS, loss_decay=DECAY, grad_clip=CLIP, dtype=torch.bfloat16), wrap=wrap)
+        bf16 = settings(dtype=torch.bfloat16)  # a DDP wrapper by hand: build_step wraps only with several processes
+        wrapped = TrainStep(StepLoss(model, lm_head.bfloat16(), bf16), adamw, wrap=wrap)
         bf16_mb = MicroBatch(mb.input_ids, mb.loss_mask, mb.aux_hidden.bfloat16(), mb.final_hidden.bfloat16(),
                              mb.position_ids, mb.seq_lens, mb.sample_ids)
         for step in (plain, wrapped):
