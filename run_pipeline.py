@@ -331,13 +331,18 @@ def print_summary(cfg, timings: list[tuple[str, float, str]], title: str) -> Non
 
     layout = Layout.of(cfg)
     if layout.eval_report.is_file():
-        from common.evaluate.report import report_measures, summary_lines
+        from common.core.errors import DataError
+        from common.evaluate.report import read_back, report_measures, summary_lines
 
         report = json.loads(layout.eval_report.read_text())
         # Only a measurement of the draft now in train/final (by its weights): after a new 04 the last
         # report is an earlier draft's.
         if report_measures(cfg, report, layout.final):
-            held_out, *prompt_sets = summary_lines(report)  # one line per evaluate.prompt_sets set after the held-out one
+            try:
+                held_out, *prompt_sets = read_back(layout.eval_report, summary_lines)  # then one line per prompt set
+            except DataError as e:
+                print(f"\nnote: {e}")
+                return
             print(f"\nmeasured in vLLM: {held_out}")
             for line in prompt_sets:
                 print(f"  {line}")
@@ -376,8 +381,7 @@ class Pipeline:
         log = self.layout.log(name)
         t0 = time.monotonic()
         before = last_run(self.cfg.run_dir, name)
-        code, _ = run_logged(name, [sys.executable, str(ROOT / script), *self.stage_args, *extra], log,
-                             abort=self.check_background)
+        code, _ = run_logged(name, self.stage_command(name, script, *extra), log, abort=self.check_background)
         secs = time.monotonic() - t0
         if code != 0:
             self.timings.append((name, secs, f"FAILED (exit {code})"))
@@ -385,6 +389,10 @@ class Pipeline:
         status = stage_status(self.cfg.run_dir, name, before)
         self.timings.append((name, secs, status))
         print(f"--- {name}: {status} in {secs:.1f}s (log: {log})", flush=True)
+
+    def stage_command(self, name: str, script: str, *extra: str) -> list[str]:
+        """The command line of a stage: the script with the run's --config and --set arguments."""
+        return [sys.executable, str(ROOT / script), *self.stage_args, *extra]
 
     def target(self) -> None:
         self.current = "target"

@@ -263,31 +263,28 @@ def train(trainer, strategy, optimizer, args, device, dtype, total_steps: int) -
     decays = [SF_PLOSS_DECAY ** i for i in range(K)]
     model = strategy.trainable_module()
     model.train()
-    pos, batches = DataPosition(), None
+    pos = DataPosition()
     history, window = [], []
     tokens_seen, t_start = 0, time.perf_counter()
     for step in range(total_steps):
-        if batches is None:  # the start, or under a disk budget a new round
-            batches = source.batches(pos, total_steps - step)
-            if batches is None:
-                raise UserError(f"{source.describe_position(pos)} of {trainer.layout.hidden} is not on disk (a run under "
-                                f"a disk budget deletes the rounds 04 has trained); rerun 02_extract_hidden.py --overwrite "
-                                f"with a larger extract.disk_budget_gb, or use a run extracted in one go")
-        mine, real, next_pos = data.step_micro_batches(pos)
-        tokens = data.step_tokens(pos)
+        batch = source.next_batch(pos, total_steps - step)  # 04's data for its step at pos
+        if batch is None:
+            raise UserError(f"{source.describe_position(pos)} of {trainer.layout.hidden} is not on disk (a run under "
+                            f"a disk budget deletes the rounds 04 has trained); rerun 02_extract_hidden.py --overwrite "
+                            f"with a larger extract.max_disk_gb, or use a run extracted in one go")
+        tokens = batch.tokens
         counted = data.step_loss_positions(pos)  # 04's denominator: step-0 positions with a loss
         lr = optimizer.get_learning_rate()
         t0 = time.perf_counter()
         loss_sf, loss_sum, step_correct, step_denom = 0.0, 0.0, [0.0] * K, [0.0] * K
-        for is_real in real:
-            mb = next(batches)
+        for mb, is_real in batch.micro_batches:
             if not is_real:  # a stand-in for a rank that ran out (never with one process and grad_accum 1)
                 continue
-            batch, trained, padded = sf_batch_padded(mb, dtype, device)
-            out = strategy.forward_loss(batch)
-            (out.loss / len(mine)).backward()  # TrainerCore: loss / accumulation_steps
+            batch_sf, trained, padded = sf_batch_padded(mb, dtype, device)
+            out = strategy.forward_loss(batch_sf)
+            (out.loss / batch.count).backward()  # TrainerCore: loss / accumulation_steps
             plosses = [float(p) for p in out.metrics["plosses"]]
-            loss_sf += float(out.loss.detach()) / len(mine)
+            loss_sf += float(out.loss.detach()) / batch.count
             loss_sum += sum(d * p * padded for d, p in zip(decays, plosses))  # each ploss is a mean over B*L
             for i in range(K):
                 step_correct[i] += float(out.metrics["acc_corrects"][i])
@@ -295,9 +292,7 @@ def train(trainer, strategy, optimizer, args, device, dtype, total_steps: int) -
         grad_norm = float(optimizer.step())  # clip, fp32 AdamW, copy to the bf16 params, schedule
         if not math.isfinite(grad_norm) or not math.isfinite(loss_sf):
             raise PipelineError(f"SpecForge's training diverged at step {step + 1} (loss {loss_sf}, grad norm {grad_norm})")
-        if source.plan is not None and next_pos.round != pos.round:
-            batches = None
-        pos = next_pos
+        pos = batch.next_pos
         tokens_seen += tokens
         row = {"step": step + 1, "loss_specforge": loss_sf, "loss_per_counted": loss_sum / max(1, counted),
                "step_acc": [c / max(1e-6, d) for c, d in zip(step_correct, step_denom)], "lr": lr,

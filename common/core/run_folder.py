@@ -31,12 +31,16 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import atomic_write_json, file_sha256
 
 STAGES_DIR = "stages"
+# The form of every stage's outputs, recorded in each stage manifest. A run folder of another version is refused
+# with one line (StageManifest.check_version) and made again, not read through compatibility code: raise it when
+# any stage's outputs change form (2: rounds in every hidden plan, hidden format 3, checkpoints' "round").
+RUN_FOLDER_VERSION = 2
 HASH_CACHE = "hashes.json"
 # The prompt sets 05 measures: held-out prompts of the training distribution (eval/outputs.jsonl,
 # eval/baseline.json), evaluate.other_prompts ("other") and evaluate.prompt_sets (files suffixed -NAME).
@@ -390,42 +394,38 @@ class StageManifest:
     """
 
     def __init__(self, layout: Layout, stage: str, inputs: dict[str, str | os.PathLike] | None = None,
-                 settings: dict | None = None, redo_on: Iterable[str] = (), added_later: Iterable[str] = (),
-                 replaced: dict[str, str] | None = None, upgrade: Callable[[dict], dict] | None = None):
+                 settings: dict | None = None, redo_on: Iterable[str] = ()):
         """inputs: {name: path (hashed here) or a precomputed fingerprint string}. redo_on: input
-        names or setting keys whose change means "redo those outputs" instead of an error.
-        added_later: inputs this code records that an older one did not: a manifest without them is
-        not a change (a run folder made before keeps working; the next write records them). replaced:
-        {setting an older one recorded: the setting this code records instead}: not a change either. upgrade:
-        rewrites an older manifest into this code's form (01's source, once recorded by path) before comparing."""
+        names or setting keys whose change means "redo those outputs" instead of an error."""
         self.layout, self.stage = layout, stage
         self.path = layout.manifest(stage)
         self.inputs = {name: (value if isinstance(value, str) else content_fingerprint(layout, value))
                        for name, value in (inputs or {}).items()}
         self.settings = json.loads(json.dumps(settings or {}, sort_keys=True, default=str))
         self.redo_on = set(redo_on)
-        self.added_later = set(added_later)
-        self.replaced = dict(replaced or {})
         self.previous = read_manifest(layout, stage)
-        if self.previous is not None and upgrade is not None:
-            self.previous = upgrade(self.previous)
 
     # -- deciding
     def changes(self) -> tuple[list[str], list[str]]:
-        """(changes that are an error, changes that mean redo) against the previous manifest."""
+        """(changes that are an error, changes that mean redo) against the previous manifest. Outputs made by
+        another run-folder version are an error of their own (check_version)."""
         if self.previous is None:
             return [], []
+        self.check_version()
         old_inputs, old_settings = self.previous.get("inputs") or {}, self.previous.get("settings") or {}
-        changed = [name for name in sorted(set(old_inputs) | set(self.inputs)) if old_inputs.get(name) != self.inputs.get(name)
-                   and not (name in self.added_later and name not in old_inputs)]
-        changed += [key for key in sorted(set(old_settings) | set(self.settings)) if old_settings.get(key) != self.settings.get(key)
-                    and not self._replaced(key, old_settings)]
+        changed = [name for name in sorted(set(old_inputs) | set(self.inputs)) if old_inputs.get(name) != self.inputs.get(name)]
+        changed += [key for key in sorted(set(old_settings) | set(self.settings)) if old_settings.get(key) != self.settings.get(key)]
         return [c for c in changed if c not in self.redo_on], [c for c in changed if c in self.redo_on]
 
-    def _replaced(self, key: str, old_settings: dict) -> bool:
-        """An older manifest's setting that this code records under another key (either of the two)."""
-        old_key = next((old for old, new in self.replaced.items() if key in (old, new)), None)
-        return old_key is not None and old_key in old_settings and self.replaced[old_key] not in old_settings
+    def check_version(self) -> None:
+        """One run-folder version: outputs recorded by another version of the pipeline are made again, not read
+        through compatibility code (RUN_FOLDER_VERSION)."""
+        found = self.previous.get("run_folder_version")
+        if found != RUN_FOLDER_VERSION:
+            made_by = "a later" if isinstance(found, int) and found > RUN_FOLDER_VERSION else "an earlier"
+            raise DataError(f"{self.stage}: the outputs in {self.layout.run_dir} were made by {made_by} version of this "
+                            f"pipeline ({self.path} records run-folder version {json.dumps(found)}, this code writes "
+                            f"{RUN_FOLDER_VERSION}): rerun {self.stage}.py with --overwrite, and the stages after it")
 
     def mismatch_error(self, changed: list[str]) -> PipelineError:
         """DataError when an input file changed, ConfigError when only settings did."""
@@ -501,6 +501,7 @@ class StageManifest:
     def _write(self, state: str, result: dict | None, outcome: str) -> None:
         record = {
             "stage": self.stage,
+            "run_folder_version": RUN_FOLDER_VERSION,
             "state": state,
             "inputs": self.inputs,
             "settings": self.settings,

@@ -21,7 +21,7 @@ from typing import Optional
 
 from common.core.config import Config
 from common.core.errors import DataError, PipelineError
-from common.core.io import jsonl_writer_atomic
+from common.core.tokenized import tokenized_writer
 from common.core.run_folder import Layout
 from common.data.generate_files import last_turn
 from common.serving.chat import has_token_ids, template_kwargs_of
@@ -183,14 +183,14 @@ def tokenize_outputs(cfg: Config, layout: Layout, prompts: list[dict], done: dic
     kept = {"train": 0, "eval": 0}
     t0 = time.monotonic()
     tokens = loss_tokens = 0
-    with jsonl_writer_atomic(layout.eval_jsonl) as write_eval, jsonl_writer_atomic(layout.train_jsonl) as write_train:
+    with tokenized_writer(layout) as write:
         for prompt in tqdm(prompts, desc="tokenize", unit="sample", file=sys.stderr, dynamic_ncols=True):
             row = done.get(prompt["id"])
             sample = tokenize(row) if row is not None else None
             if sample is None:
                 continue
             split = "eval" if prompt.get("split") == "eval" else "train"
-            (write_eval if split == "eval" else write_train)({"id": prompt["id"], **sample})
+            write(split, prompt["id"], sample)
             kept[split] += 1
             tokens += len(sample["input_ids"])
             loss_tokens += sum(sample["loss_mask"])

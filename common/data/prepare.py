@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Callable, Optional
 
 from common.core.errors import DataError
 from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
-from common.core.run_folder import Layout, StageManifest, combined_fingerprint, input_identity
+from common.core.run_folder import Layout, StageManifest, input_identity
 from common.core.sources import BadFields, iter_source, keep_answered, keep_prompt, local_source_files, row_messages
 
 DROP_REASONS = ("malformed_json", "invalid_utf8", "truncated_json_tail", "bad_fields", "no_user_turn", "empty", "no_answer",
@@ -93,20 +92,7 @@ def stage_manifest(cfg) -> StageManifest:
     local = files is not None
     inputs = {"data.source": input_identity(layout, cfg.data.source, files)} if local else {}
     settings = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items() if not (local and k == "source")}
-    return StageManifest(layout, "01_prepare_data", inputs=inputs, settings=settings, upgrade=_source_by_content)
-
-
-def _source_by_content(previous: dict) -> dict:
-    """01's manifest from before it keyed data.source by content (inputs "source PATH", the path a setting), as this
-    code records it: a run folder made then is not refused for a source that did not change."""
-    old = {Path(k[len("source "):]): v for k, v in (previous.get("inputs") or {}).items() if k.startswith("source ")}
-    settings = dict(previous.get("settings") or {})
-    root = Path(os.path.expanduser(str(settings.pop("data.source", ""))))
-    if not old or not all(p.is_relative_to(root) for p in old):
-        return previous
-    digest = old[root] if root in old else combined_fingerprint(  # a file, or a folder's files as 01 reads them
-        (str(p.relative_to(root)), v) for p, v in sorted(old.items()))
-    return {**previous, "inputs": {"data.source": digest}, "settings": settings}
+    return StageManifest(layout, "01_prepare_data", inputs=inputs, settings=settings)
 
 
 def prepare_prompts(cfg, overwrite: bool = False, progress: bool = True,

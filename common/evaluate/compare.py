@@ -14,12 +14,13 @@ from dataclasses import asdict
 from typing import Optional
 
 from common.core.config import Config
-from common.core.io import atomic_write_json, read_json
+from common.core.io import atomic_write_json
 from common.core.run_folder import Layout
 from common.evaluate import serve
 from common.evaluate.draft import checked_draft
 from common.evaluate.prompt_sets import PromptSet, load_prompt_sets
-from common.evaluate.report import REPORT_VERSION, ReportFiles, build_report, print_lines, set_part, warn_mismatches
+from common.evaluate.report import (REPORT_VERSION, ReportFiles, build_report, print_lines, read_back, set_part,
+                                    warn_mismatches)
 from common.evaluate.stage import (baselines_before_draft, measure_or_reuse_baselines, prompts_sha256, report_key,
                                    stage_manifest, turn_2_prompts)
 
@@ -48,7 +49,7 @@ def run_compare(cfg: Config, dirs: list[str], overwrite: bool = False, base_url:
     manifest = stage_manifest(cfg, keys, "05_compare")
     if manifest.begin(overwrite, outputs=[path]) == "complete":
         manifest.record("already_complete")
-        print_lines(compare_lines(read_json(path)), f"already complete ({path}): ", "; use --overwrite to redo")
+        print_lines(read_back(path, compare_lines), f"already complete ({path}): ", "; use --overwrite to redo")
         return 0
     known = baselines_before_draft(cfg, layout, sets, base_url)  # both drafts' turn 2 sends the target-alone answers
     measured = {label: serve.measure_with_draft(cfg, layout, sets, d.path, f"vllm_compare_{label}", second_turns=turn_2_prompts(known))
@@ -119,8 +120,8 @@ def compare_lines(comparison: dict) -> list[str]:
     for name, al in comparison["acceptance_length"].items():
         speedup = comparison["speedup"][name]
         tps = ", ".join(f"{label} {speedup[label]:.2f}x" for label in COMPARED if speedup[label] is not None)
-        cost = (comparison.get("cost_ratio") or {}).get(name) or {}  # comparisons made before step times have none
-        costs = ", ".join(f"{label} {cost[label]:.2f}x" for label in COMPARED if cost.get(label) is not None)
+        cost = comparison["cost_ratio"][name]  # None for a draft whose step times were not measured
+        costs = ", ".join(f"{label} {cost[label]:.2f}x" for label in COMPARED if cost[label] is not None)
         lines.append(f"{name} ({comparison['prompt_sets'][name]['num_prompts']} prompts): acceptance length a {al['a']:.2f} | "
                      f"b {al['b']:.2f} | b - a {al['b_minus_a']:+.2f}" + (f" | tokens/s vs the target alone: {tps}" if tps else "")
                      + (f" | an iteration with the draft costs {costs} a target step" if costs else ""))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.core.config import Config
-from common.core.errors import DataError, PipelineError
+from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import file_sha256, read_json
 from common.core.run_folder import PREDICTION_JSON, Layout, content_fingerprint
 
@@ -100,9 +100,12 @@ def check_draft(cfg: Config, draft: Path, foreign_draft: bool) -> None:
     line, not vLLM's traceback), and its aux layer ids against this run's: vLLM captures the layers the
     draft's config names, so a draft trained on other layers is another run's, and this run's
     prediction says nothing about it."""
-    from common.model.export import read_draft_config
+    from common.model.export import read_draft_aux_layer_ids, read_draft_config
 
-    ids = read_draft_config(draft, any_architecture=True).aux_layer_ids  # vLLM serves drafts of more families than 04 trains
+    try:
+        ids = read_draft_config(draft).aux_layer_ids  # every key its family needs, checked
+    except ConfigError:  # an architecture 04 does not train (vLLM serves more): its aux layer ids alone
+        ids = read_draft_aux_layer_ids(draft)
     run_ids, source = run_aux_layer_ids(cfg)
     if run_ids is not None and ids != run_ids and not foreign_draft:
         raise DataError(
@@ -132,8 +135,9 @@ def offline_prediction(cfg: Config, draft: Path) -> Offline:
     path = draft / PREDICTION_JSON
     if not os.path.lexists(path):
         return Offline(missing=f"{draft} has no {PREDICTION_JSON}: 04 predicted nothing for it (04_train.py writes one "
-                               f"into each draft it exports, train/final and train/best; this one is another run's, a "
-                               f"published one, or an export of an earlier version of 04_train.py)")
+                               f"into each draft it exports, train/final and train/best; this one is another run's or a "
+                               f"published one, or was made by an earlier version of this pipeline: rerun 04_train.py "
+                               f"with --overwrite)")
     try:
         record = read_json(path)
     except (DataError, OSError) as e:  # OSError: a symlink loop, a directory or no permission there

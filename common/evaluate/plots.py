@@ -46,10 +46,8 @@ def _offline_per_position(report: dict) -> Optional[list[float]]:
 
 
 def _prompt_sets(report: dict) -> dict[str, dict]:
-    """The report's prompt sets besides the held-out one (a report written before evaluate.prompt_sets: other_prompts)."""
-    if "prompt_sets" in report:
-        return report["prompt_sets"] or {}
-    return {"other": report["other_prompts"]} if report.get("other_prompts") else {}
+    """The report's prompt sets besides the held-out one."""
+    return report["prompt_sets"]
 
 
 def _bars(ax, series: list[tuple[str, list[float], str]], fmt: str = "{:.2f}") -> None:

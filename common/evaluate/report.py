@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common.core.config import Config
-from common.core.errors import PipelineError
-from common.core.io import atomic_write_json, write_jsonl_atomic
+from common.core.errors import DataError, PipelineError
+from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
 from common.core.run_folder import HELD_OUT, OTHER, Layout
 from common.evaluate.draft import CheckedDraft, draft_fingerprint
 from common.evaluate.prompt_sets import PromptSet
@@ -252,11 +252,20 @@ def report_measures(cfg: Config, report: dict, draft_dir: Path) -> bool:
         return False
 
 
+def read_back(path: Path, lines: Callable[[dict], list[str]]) -> list[str]:
+    """The summary lines (`lines`: summary_lines, compare.compare_lines) of a report 05 wrote at path. A file this
+    version did not write (an earlier version's, another program's, a hand edit) is one DataError, not a traceback."""
+    doc = read_json(path)
+    try:
+        return lines(doc)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise DataError(f"{path} was made by an earlier version of this pipeline or another program ({type(e).__name__}: "
+                        f"{e}); rerun 05_evaluate.py with --overwrite") from None
+
+
 def measured_sets(report: dict) -> dict[str, dict]:
-    """The report's prompt sets besides the held-out one (a report written before evaluate.prompt_sets: its other_prompts)."""
-    if "prompt_sets" in report:
-        return report["prompt_sets"] or {}
-    return {OTHER: report["other_prompts"]} if report.get("other_prompts") else {}
+    """The report's prompt sets besides the held-out one."""
+    return report["prompt_sets"]
 
 
 def set_part(report: dict, name: str) -> dict:
@@ -270,11 +279,10 @@ def set_summary(part: dict) -> str:
     line = f"acceptance length {part['acceptance_length']:.2f} (k={part['num_speculative_tokens']}) | per-position {per_pos}"
     tp = part.get("throughput") or {}  # turn 2 is not timed
     if tp.get("speedup") is not None:
-        line += f" | {tp['speedup']:.2f}x tokens/s"
-        if tp.get("speedup_range"):  # reports made before the timed repeats have none
-            runs = f"{len(tp['with_draft']['tokens_per_s_runs'])}+{len(tp['without_draft']['tokens_per_s_runs'])} runs"
-            low, high = tp["speedup_range"]
-            line += f" ({low:.2f}-{high:.2f} over {runs}{': the draft slows serving' if tp['verdict'] == 'slower' else ''})"
+        runs = f"{len(tp['with_draft']['tokens_per_s_runs'])}+{len(tp['without_draft']['tokens_per_s_runs'])} runs"
+        low, high = tp["speedup_range"]
+        line += (f" | {tp['speedup']:.2f}x tokens/s ({low:.2f}-{high:.2f} over {runs}"
+                 f"{': the draft slows serving' if tp['verdict'] == 'slower' else ''})")
     o = part["outputs"]
     return line + f" | {o['identical']}/{o['compared']} outputs identical"
 

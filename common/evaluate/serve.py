@@ -54,8 +54,8 @@ class PromptRun:
 
     @classmethod
     def from_json(cls, doc: dict) -> PromptRun:
-        """The run in a cached baseline file (its other entries, "key" and "created", left out). A file written before
-        the step counters were read raises KeyError: measured again, so that the report can say why."""
+        """The run in a cached baseline file (its other entries, "key" and "created", left out). A file without one of
+        its fields raises KeyError (stage.cached_baseline: measured again)."""
         return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls)})
 
     def throughput(self) -> dict:
@@ -95,7 +95,7 @@ class Baseline:
     turn_2: Optional[SecondTurn] = None
 
     def to_json(self) -> dict:
-        """Its entries in the cache file: turn 1's at the top level (where files made before turn 2 keep them)."""
+        """Its entries in the cache file: turn 1's at the top level, and, for a set with later turns, "turn_2"."""
         t = self.turn_2
         return {**asdict(self.run),
                 **({"turn_2": {"prompts": t.prompts, "left_out": t.left_out, "run": t.run and asdict(t.run)}} if t else {})}

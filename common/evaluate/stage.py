@@ -64,7 +64,7 @@ from common.evaluate import serve
 from common.evaluate.draft import checked_draft
 from common.evaluate.prompt_sets import (PromptSet, context_check, has_later_turns, load_prompt_set, load_prompt_sets,
                                          say_left_out, second_turn_prompts)
-from common.evaluate.report import ReportFiles, build_report, print_lines, summary_lines, write_report
+from common.evaluate.report import ReportFiles, build_report, print_lines, read_back, summary_lines, write_report
 from common.evaluate.serve import Baseline, PromptRun, SecondTurn
 
 
@@ -76,7 +76,7 @@ def _sha256_json(obj: Any) -> str:
 
 
 def prompts_sha256(prompts: list[dict]) -> str:
-    """What is sent: ids, first turns, and the later turns and categories (prompts without either hash as before)."""
+    """What is sent: ids, first turns, and the later turns and categories (a prompt without either: its id and first turn)."""
     def extra(p: dict) -> list:
         kept = {k: p[k] for k in ("later_turns", "category") if k in p}
         return [kept] if kept else []
@@ -96,7 +96,7 @@ def baseline_key(cfg: Config, prompts: list[dict]) -> dict:
         "sampling": serve.sampling_params(cfg),
         "throughput_repeats": cfg.evaluate.throughput_repeats,
         "server": asdict(cfg.server) | {"port": None},
-        # Every request carries generate.extra_body (common.serving.chat); keys made without one stay valid.
+        # Every request carries generate.extra_body (common.serving.chat); in the key only when set.
         **({"extra_body": cfg.generate.extra_body} if cfg.generate.extra_body else {}),
     }
 
@@ -109,7 +109,7 @@ def report_key(cfg: Config, sets: dict[str, PromptSet], draft_sha: str, foreign_
         "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
         "other_prompts_sha256": prompts_sha256(sets[OTHER].prompts) if OTHER in sets else None,
         "replay_served": cfg.evaluate.replay_served,
-        # reported without this run's prediction; keys made before the flag (or evaluate.prompt_sets) stay valid
+        # reported without this run's prediction; each in the key only when set (a plain run's key has neither)
         **({"foreign_draft": True} if foreign_draft else {}),
         **({"prompt_sets_sha256": named} if named else {}),
     }
@@ -270,7 +270,7 @@ def run_stage(cfg: Config, draft_dir: Optional[str] = None, overwrite: bool = Fa
     manifest = stage_manifest(cfg, key)
     if not overwrite and manifest.begin(False, outputs=[layout.eval_report]) == "complete":
         manifest.record("already_complete")
-        print_lines(summary_lines(read_json(layout.eval_report)), f"already complete ({layout.eval_report}): ", "; use --overwrite to redo")
+        print_lines(read_back(layout.eval_report, summary_lines), f"already complete ({layout.eval_report}): ", "; use --overwrite to redo")
         return 0
 
     known = baselines_before_draft(cfg, layout, sets, base_url, overwrite)

@@ -101,7 +101,7 @@ def slowdown_line(part: dict) -> Optional[str]:
     """Why the draft slows serving, for a set (its report part) whose median tokens/s ratio is below 1.0 and whose
     step times were measured; None otherwise."""
     speedup = (part.get("throughput") or {}).get("speedup")
-    st = part.get("step_times") or {}
+    st = part["step_times"]
     if speedup is None or speedup >= 1.0 or not st.get("measured"):
         return None
     al, cost = st["acceptance_length"], st["cost_ratio"]

@@ -93,6 +93,9 @@ def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int, layout: Layo
 
     def close(scan: SplitScan, run: list[InputSample]) -> None:
         first_sample, last = run[0].position, run[-1].position
+        ordered = shard_order(run)
+        # train shards carry their samples' lengths: 04 packs every epoch from the plan (common.hidden.rounds)
+        lengths = {"lengths": [s.length for s in ordered]} if scan.split == "train" else {}
         shards.append({
             "file": layout.shard(first + len(shards)).name,
             "split": scan.split,
@@ -100,7 +103,8 @@ def make_plan_shards(scans: list[SplitScan], shard_max_tokens: int, layout: Layo
             "byte_end": scan.line_offsets[last + 1],
             "num_samples": len(run),
             "num_tokens": sum(s.length for s in run),
-            "sample_ids": [s.id for s in shard_order(run)],
+            "sample_ids": [s.id for s in ordered],
+            **lengths,
         })
 
     for scan in scans:
@@ -237,7 +241,7 @@ def make_plan(cfg, info, paths: dict[str, Path], layout: Layout) -> HiddenPlan:
             break
         reserve = need + need // 8  # a little more: a tighter cut adds shards, and with them plan and index bytes
     plan = HiddenPlan(doc)
-    if plan.has_rounds:
+    if plan.budgeted:
         rounds, epochs = plan.rounds, cfg.train.epochs
         print(f"02_extract_hidden: the data set does not fit extract.max_disk_gb={cfg.extract.max_disk_gb:g}: {len(rounds)} rounds "
               f"for {epochs} epoch(s) (~{len(rounds) / epochs:.1f} per epoch, up to {format_bytes(max(r.bytes for r in rounds))} "
@@ -275,7 +279,7 @@ def load_plan(cfg, info, layout: Layout, recorded_sha256: str | None) -> HiddenP
     if changed:
         raise DataError(f"{plan_path} was made for other settings than the config's ("
                         f"{'; '.join(f'{k}: {json.dumps(planned.get(k))} in the plan, {json.dumps(settings.get(k))} now' for k in changed)}); {redo}")
-    if plan.has_rounds and plan.max_disk_bytes != int(cfg.extract.max_disk_gb * 1e9):
+    if plan.budgeted and plan.max_disk_bytes != int(cfg.extract.max_disk_gb * 1e9):
         raise DataError(f"{plan_path} cuts its rounds for max_disk_bytes {json.dumps(plan.max_disk_bytes)}, but "
                         f"extract.max_disk_gb={cfg.extract.max_disk_gb:g} is {int(cfg.extract.max_disk_gb * 1e9)} bytes: the plan "
                         f"was edited; {redo}")

@@ -17,7 +17,7 @@ from pathlib import Path
 from common.core.errors import DataError
 from common.core.io import bytes_bar
 from common.core.run_folder import Layout
-from common.target.tokenization import check_token_range, parse_tokenized_line
+from common.core.tokenized import check_token_range, parse_tokenized_line
 
 
 @dataclass

@@ -100,8 +100,7 @@ def stage_manifest(cfg, info):
     weights = target_fingerprint(layout, cfg.target.model)
     if weights:  # new weights in the same shapes change every hidden state
         inputs["target weights"] = weights
-    return StageManifest(layout, "02_extract_hidden", inputs=inputs, settings=plan_settings(cfg, info),
-                         added_later=["target weights"])
+    return StageManifest(layout, "02_extract_hidden", inputs=inputs, settings=plan_settings(cfg, info))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +134,7 @@ def run_extraction(cfg, overwrite: bool = False) -> dict:
             extractor = open_extractor(cfg, info, layout, env, torch_dtype(cfg.extract.dtype))
         due = on_rank0(lambda: prepare(cfg, info, layout, fresh), env)
         plan, header = due.plan, due.header
-        streaming = cfg.extract.stream and plan.has_rounds
+        streaming = cfg.extract.stream and plan.budgeted
         if due.nothing_due and (not streaming or due.all_extracted):
             return _nothing_to_extract(cfg, info, layout, due, env)
 
@@ -180,7 +179,7 @@ def _nothing_to_extract(cfg, info, layout: Layout, due: Due, env: DistEnv) -> di
         print(f"02_extract_hidden: {due.note}", flush=True)
         record_result(cfg, info, index, "round_done")
     elif env.is_main:
-        what = (f"all {len(due.plan.rounds)} rounds extracted" if due.plan.has_rounds else
+        what = (f"all {len(due.plan.rounds)} rounds extracted" if due.plan.budgeted else
                 f"{index['num_shards']} shards, {index['num_tokens']:,} tokens, {format_bytes(index['bytes'])}")
         print(f"02_extract_hidden: already complete ({what}) in {layout.hidden}; use --overwrite to redo", flush=True)
         record_result(cfg, info, index, "already_complete")
@@ -196,7 +195,7 @@ def _report_extracted(cfg, info, layout: Layout, due: Due, stats: ExtractStats) 
     state = "done" if index["complete"] else "round done" if due.note else "INCOMPLETE"
     # Under rounds the index also counts the rounds 04 trained and deleted: say what hidden/ holds now too.
     where = (f"{format_bytes(index['bytes'])} extracted so far, {format_bytes(folder_bytes(layout.hidden))} in "
-             f"{layout.hidden} now" if due.plan.has_rounds else f"{format_bytes(index['bytes'])} in {layout.hidden}")
+             f"{layout.hidden} now" if due.plan.budgeted else f"{format_bytes(index['bytes'])} in {layout.hidden}")
     print(f"02_extract_hidden: {state}: {index['num_shards']}/{index['num_planned_shards']} "
           f"shards, {index['num_tokens']:,} tokens (train {index['splits']['train']['num_samples']} / eval "
           f"{index['splits']['eval']['num_samples']} samples), {where}; "
@@ -299,7 +298,7 @@ def survey(cfg, layout: Layout, plan: HiddenPlan, header: dict, known: dict[str,
     or verified itself (streaming: not hashed again while their files are there)."""
     kept: dict[str, dict] = {}
     note = None
-    if plan.has_rounds:
+    if plan.budgeted:
         consumed = read_consumed(layout)
         wanted = plan.due_files(consumed)
         delete_not_due(layout, plan, consumed)  # a kill may come between 04's record of a round and its deletion

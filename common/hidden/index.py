@@ -91,7 +91,7 @@ def index_header(settings: dict, target_model: str, inputs: dict, target_weights
     target_weights: the target's content fingerprint (common.target.loading.target_fingerprint), which 04
     checks against the target it loads."""
     s = settings
-    storage = storage_of(s)  # plans made before format 2 have no storage: "full"
+    storage = storage_of(s)  # the settings name it only when not "full"
     return {
         "format_version": FORMAT_VERSION,
         "storage": storage,
@@ -234,7 +234,10 @@ def write_consumed(layout: "Layout", rounds: Iterable[int]) -> None:
 
 def mark_trained(layout: "Layout", plan: "HiddenPlan", rounds: set[int], keep_out: set[int] = frozenset()) -> None:
     """04, rank 0, after the checkpoint that covers `rounds`: record them as trained (02 reads it to know what
-    comes next), then delete their shards. keep_out: rounds to un-record (a resumed checkpoint is before them)."""
+    comes next), then delete their shards. keep_out: rounds to un-record (a resumed checkpoint is before them).
+    Without a disk budget nothing is recorded or deleted: every round reads the same shards."""
+    if not plan.budgeted:
+        return
     write_consumed(layout, (read_consumed(layout) | rounds) - set(keep_out))
     for f in plan.files_of_rounds(rounds):
         (layout.hidden / f).unlink(missing_ok=True)

@@ -19,8 +19,9 @@ Who deletes what:
     04 --overwrite empties consumed.json (training starts over: 02 extracts from the first round again);
     02 --overwrite deletes everything in hidden/, consumed.json included.
 
-Without a budget (plan.json has no "rounds") there is one extraction of everything and none of this applies:
-HiddenPlan.read returns the plan with rounds None, and every train shard is due.
+Without a budget (plan.json has no "rounds") 02 extracts everything in one go and nothing is deleted: the plan's
+rounds are then one per epoch, each over every train shard (as many epochs as 04 trains: HiddenPlan.add_epoch), so
+04 reads one kind of plan either way.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from common.core.errors import ConfigError
 from common.core.io import read_json
 from common.hidden.shards import check_format_version
 
@@ -52,34 +54,59 @@ class Round:
 
 
 class HiddenPlan:
-    """hidden/plan.json: the planned shards (dicts, as written: 02 writes and hashes them) and, under a disk
-    budget, its rounds (typed)."""
+    """hidden/plan.json: the planned shards (dicts, as written: 02 writes and hashes them) and the rounds 04 trains
+    (typed): under a disk budget the planned ones (`budgeted`), else one per epoch over every train shard."""
 
-    def __init__(self, doc: dict):
+    def __init__(self, doc: dict, epochs: int = 1):
         self.doc = doc
         self.shards: list[dict] = doc["shards"]
         self.settings: dict = doc.get("settings", {})
-        self.rounds: Optional[list[Round]] = None
-        if "rounds" in doc:
-            self.rounds = [Round(k, int(r["epoch"]), tuple(r["shards"]), int(r["num_samples"]), int(r["num_tokens"]),
-                                 int(r["bytes"])) for k, r in enumerate(doc["rounds"])]
+        self.budgeted = "rounds" in doc  # 04 deletes each round once trained, 02 extracts them one after another
         self.max_disk_bytes: Optional[int] = doc.get("max_disk_bytes")
         self.eval_bytes: int = doc.get("eval_bytes", 0)
         self.reserve_bytes: int = doc.get("reserve_bytes", 0)
         self.by_file = {s["file"]: s for s in self.shards}
+        if self.budgeted:
+            self.rounds = [Round(k, int(r["epoch"]), tuple(r["shards"]), int(r["num_samples"]), int(r["num_tokens"]),
+                                 int(r["bytes"])) for k, r in enumerate(doc["rounds"])]
+        else:
+            self.rounds = []
+            for _ in range(epochs):
+                self.add_epoch()
 
     @classmethod
-    def read(cls, path: Path) -> Optional["HiddenPlan"]:
-        """plan.json, or None when 02 has not planned yet."""
+    def read(cls, path: Path, epochs: Optional[int] = None) -> Optional["HiddenPlan"]:
+        """plan.json, or None when 02 has not planned yet. epochs (04: train.epochs): a budgeted plan must have
+        been planned for it; an unbudgeted one gets a round per epoch."""
         if not path.is_file():
             return None
         doc = read_json(path)
         check_format_version(doc, path)
-        return cls(doc)
+        plan = cls(doc, epochs or 1)
+        planned = plan.settings.get("epochs")
+        if epochs is not None and plan.budgeted and planned != epochs:
+            raise ConfigError(f"02 planned its rounds for train.epochs={planned} but the config says {epochs}; set "
+                              f"train.epochs back, or rerun 02_extract_hidden.py --overwrite (it plans the rounds again)")
+        return plan
 
-    @property
-    def has_rounds(self) -> bool:
-        return self.rounds is not None
+    def add_epoch(self, why: str = "") -> Round:
+        """One more round over every train shard (an unbudgeted plan: train.max_steps runs past train.epochs).
+        A budgeted plan has exactly the rounds 02 planned: a ConfigError saying `why` more are wanted."""
+        if self.budgeted:
+            raise ConfigError(f"{why} the {len(self.rounds)} rounds 02 planned for train.epochs="
+                              f"{self.settings.get('epochs')}; lower train.max_steps, or raise train.epochs and rerun "
+                              f"02_extract_hidden.py --overwrite (it plans the rounds again)")
+        train = [s for s in self.shards if s["split"] == "train"]
+        e = len(self.rounds)
+        self.rounds.append(Round(e, e, tuple(s["file"] for s in train), sum(s["num_samples"] for s in train),
+                                 sum(s["num_tokens"] for s in train), 0))
+        return self.rounds[-1]
+
+    def describe_round(self, r: int) -> str:
+        """A data position's round in 04's lines: "round 3 of 8 (epoch 2)" under a budget, else "epoch 3"."""
+        if not self.budgeted:
+            return f"epoch {r + 1}"
+        return self.rounds[r].describe(len(self.rounds)) if r < len(self.rounds) else f"all {len(self.rounds)} rounds"
 
     def eval_files(self) -> list[str]:
         return [s["file"] for s in self.shards if s["split"] != "train"]
@@ -95,12 +122,15 @@ class HiddenPlan:
         return [sid for s in shards for sid in s["sample_ids"]], [n for s in shards for n in s["lengths"]]
 
     def planned_lengths(self) -> list[int]:
-        """Every planned train sample's length (rounds mode records them: the rounds not on disk have no index yet)."""
+        """Every planned train sample's length (the rounds not on disk have no index yet)."""
         return [n for s in self.shards for n in s.get("lengths", [])]
 
     def identity(self) -> list:
-        """What identifies the rounds (04's checkpoint fingerprint): each round's epoch, shards and tokens."""
-        return [(r.epoch, list(r.shards), r.num_tokens) for r in self.rounds]
+        """What identifies the data 04 trains (its checkpoint fingerprint): under a budget each round's epoch,
+        shards and tokens; without one, the train shards (more epochs on the same shards resume)."""
+        if self.budgeted:
+            return [(r.epoch, list(r.shards), r.num_tokens) for r in self.rounds]
+        return [(s["file"], s["num_tokens"], s["sample_ids"][:1], s["num_samples"]) for s in self.shards if s["split"] == "train"]
 
     def rounds_on_disk(self, consumed: set[int]) -> list[int]:
         """The rounds whose shards should be on disk now: the first one not consumed, and the ones after it while
@@ -120,10 +150,10 @@ class HiddenPlan:
     def due_files(self, consumed: set[int]) -> list[str]:
         """The shards that should be on disk now: all of them, or under rounds the eval shards first (so that a
         streaming 04 can start) and then the train shards of rounds_on_disk."""
-        if not self.has_rounds:
+        if not self.budgeted:
             return [s["file"] for s in self.shards]
-        now = set(self.rounds_on_disk(consumed))
-        return self.eval_files() + [s["file"] for s in self.shards if s["split"] == "train" and s["round"] in now]
+        now = self.files_of_rounds(self.rounds_on_disk(consumed))
+        return self.eval_files() + [s["file"] for s in self.shards if s["split"] == "train" and s["file"] in now]
 
     def files_of_rounds(self, rounds: Iterable[int]) -> set[str]:
         return {f for r in rounds for f in self.rounds[r].shards}

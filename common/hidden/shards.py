@@ -10,7 +10,7 @@ paths from common.core.run_folder.Layout, this module takes paths. Under run_dir
         aux_hidden      [N, n_aux*H_t]  the aux states concatenated in aux_layer_ids order
         final_hidden    [N, H_t]        the final-norm output = input of the target lm_head
         sample_offsets  int64 [n_samples+1]; sample i is rows offsets[i]:offsets[i+1]
-      and with storage "fp8" (format_version 2) two more (FP8_SCALES):
+      and with storage "fp8" two more (FP8_SCALES):
         aux_scale       float32 [N, n_aux]
         final_scale     float32 [N, 1]
     The states are in extract.dtype (storage "full"), or float8 e4m3 with one float32 scale per token
@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # torch is imported only when shards are written or read (02'
     from common.core.run_folder import Layout
 
 # Version 2 added index.json's "storage" and the fp8 storage; a "full" v2 shard is byte-identical to v1.
-FORMAT_VERSION = 2  # what write_* produce
-READ_VERSIONS = (1, 2)  # what HiddenIndex.load and index.read_entries accept (v1 = storage "full")
+FORMAT_VERSION = 3  # what write_* produce (3: plan.json's train shards list their samples' lengths)
+READ_VERSIONS = (FORMAT_VERSION,)  # one run-folder version: an earlier one is rewritten, not read
 SPLITS = ("train", "eval")
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets")
 ROW_TENSORS = TENSORS[:4]  # one row per token (sample_offsets is per sample)
@@ -98,19 +98,19 @@ def describe_bytes_per_token(num_aux: int, hidden_size: int, dtype: str, storage
 
 
 def storage_of(doc: dict) -> str:
-    """index.json's storage; format_version 1 had only "full"."""
+    """index.json's or the plan settings' storage (the settings name it only when it is not "full")."""
     return doc.get("storage", "full")
 
 
 def check_format_version(doc: dict, path: Path) -> None:
-    """A one-line DataError unless `doc` (index.json or plan.json) is in a format this code reads."""
+    """A one-line DataError unless `doc` (index.json or plan.json) is in the format this code writes."""
     found = doc.get("format_version") if isinstance(doc, dict) else None
     if type(found) is not int or found not in READ_VERSIONS:
-        readable = ", ".join(str(v) for v in READ_VERSIONS)
+        made_by = ("an earlier version of this pipeline" if type(found) is int and found < FORMAT_VERSION
+                   else "another program or version")
         raise DataError(
-            f"{path} has hidden-state format_version {json.dumps(found)}, this code reads format_version {readable}; "
-            f"rerun 02_extract_hidden.py with --overwrite to rewrite the hidden states in format {FORMAT_VERSION} "
-            f"(or use the pipeline version that wrote them)"
+            f"{path} was made by {made_by} (hidden-state format_version {json.dumps(found)}, this code reads "
+            f"format_version {FORMAT_VERSION}): rerun 02_extract_hidden.py with --overwrite to rewrite the hidden states"
         )
 
 

@@ -155,14 +155,9 @@ class ReplayTotals:
 
 def describe(eval_report: dict, ks: Iterable[int]) -> str:
     """One line for the log: the replayed prediction (and the product formula) at each k."""
-    replay, tau = eval_report.get("replay") or {}, eval_report.get("tau") or {}
-    if not replay and tau:  # a report written before the replay existed
-        return "expected acceptance length (product formula) at " + ", ".join(
-            f"k={k}: {tau[str(k)]:.2f}" for k in ks if str(k) in tau)
-    parts = []
-    for k in ks:
-        r, p = replay.get(str(k)), tau.get(str(k))
-        if r is not None:
-            parts.append(f"k={k}: {r['acceptance_length']:.2f} (product formula {p:.2f})" if p is not None
-                         else f"k={k}: {r['acceptance_length']:.2f}")
+    if not eval_report:  # no eval ran
+        return "no eval split"
+    replay, tau = eval_report["replay"], eval_report["tau"]
+    parts = [f"k={k}: {replay[str(k)]['acceptance_length']:.2f} (product formula {tau[str(k)]:.2f})"
+             for k in ks if str(k) in replay]
     return "predicted vLLM acceptance length (replay) at " + ", ".join(parts) if parts else "no eval split"

@@ -164,37 +164,54 @@ def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_
     })
 
 
-def read_draft_config(path, any_architecture: bool = False) -> DraftModelConfig:
-    """The config.json of the exported draft in `path` as its family's config object (the family: family_of_config),
-    checked: JSON, an architecture a family knows (else one ConfigError line), the keys the family's config needs and
-    their values. A truncated or edited file is one DataError naming it, before vLLM or the loader sees it.
-    any_architecture: a name no family knows is read by the default family's reader instead (05 measures drafts vLLM
-    serves, which may be of an architecture this pipeline does not train: it only needs their aux layer ids)."""
+REDO_EXPORT = "re-export the draft (rerun 04_train.py) or restore the file"
+
+
+def _read_config_json(path) -> tuple[dict, Path]:
+    """The exported draft's config.json as a dict, and its path; a missing, truncated or edited file is one DataError
+    naming it, before vLLM or the loader sees it."""
     from common.core.io import parse_json
-    from common.model.draft import DEFAULT_ARCHITECTURE, DRAFT_FAMILIES
 
     config_path = Path(path) / CONFIG_NAME
-    redo = "re-export the draft (rerun 04_train.py) or restore the file"
     try:
         raw = parse_json(config_path.read_bytes())
     except FileNotFoundError:
-        raise DataError(f"{config_path} is missing; '{path}' is not an exported EAGLE-3 draft ({redo})") from None
+        raise DataError(f"{config_path} is missing; '{path}' is not an exported EAGLE-3 draft ({REDO_EXPORT})") from None
     except (OSError, ValueError) as e:
-        raise DataError(f"{config_path} is not a readable JSON file ({' '.join(str(e).split())}); {redo}") from None
+        raise DataError(f"{config_path} is not a readable JSON file ({' '.join(str(e).split())}); {REDO_EXPORT}") from None
     if not isinstance(raw, dict):
-        raise DataError(f"{config_path} holds a JSON {type(raw).__name__}, not a draft config object; {redo}")
-    try:
-        family = family_of(raw.get("architectures"), where=str(config_path))
-    except ConfigError:
-        if not any_architecture:
-            raise
-        family = DRAFT_FAMILIES[DEFAULT_ARCHITECTURE]
+        raise DataError(f"{config_path} holds a JSON {type(raw).__name__}, not a draft config object; {REDO_EXPORT}")
+    return raw, config_path
+
+
+def read_draft_config(path) -> DraftModelConfig:
+    """The config.json of the exported draft in `path` as its family's config object (the family: family_of_config),
+    checked: JSON, an architecture a family knows (else one ConfigError line), the keys the family's config needs and
+    their values. A truncated or edited file is one DataError naming it."""
+    raw, config_path = _read_config_json(path)
+    family = family_of(raw.get("architectures"), where=str(config_path))
     try:
         return family.read_config(raw)
     except KeyError as e:
-        raise DataError(f"{config_path} has no {e.args[0]!r}, which an EAGLE-3 draft config needs; {redo}") from None
+        raise DataError(f"{config_path} has no {e.args[0]!r}, which an EAGLE-3 draft config needs; {REDO_EXPORT}") from None
     except (TypeError, ValueError, AttributeError, ConfigError) as e:
-        raise DataError(f"{config_path} is not a valid EAGLE-3 draft config ({' '.join(str(e).split())}); {redo}") from None
+        raise DataError(f"{config_path} is not a valid EAGLE-3 draft config ({' '.join(str(e).split())}); {REDO_EXPORT}") from None
+
+
+def read_draft_aux_layer_ids(path) -> list[int]:
+    """The target layers the draft in `path` reads (eagle_aux_hidden_state_layer_ids, at the top of its config.json,
+    in its eagle_config, or in the speculators format's transformer_layer_config), whatever its architecture: 05
+    measures drafts vLLM serves, of more families than 04 trains."""
+    raw, config_path = _read_config_json(path)
+    key = "eagle_aux_hidden_state_layer_ids"
+    inner = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else {}
+    for where in (raw, raw.get("eagle_config"), inner, inner.get("eagle_config")):
+        ids = where.get(key) if isinstance(where, dict) else None
+        if ids:
+            if not isinstance(ids, list) or not all(type(k) is int for k in ids):
+                raise DataError(f"{config_path} has {key} {json.dumps(ids)}, not a list of layer numbers; {REDO_EXPORT}")
+            return ids
+    raise DataError(f"{config_path} has no {key!r}: it does not say which target layers the draft reads; {REDO_EXPORT}")
 
 
 def draft_weight_files(path) -> list[Path]:
@@ -205,16 +222,12 @@ def draft_weight_files(path) -> list[Path]:
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def read_draft_tensors(path, shapes_only: bool = False, names: set[str] | None = None,
-                       family: DraftFamily | None = None) -> dict:
+def read_draft_tensors(path, family: DraftFamily, shapes_only: bool = False, names: set[str] | None = None) -> dict:
     """{name: tensor} (or {name: shape} from the headers alone) of the tensors of the draft in `path` (all, or
-    those in `names`), either format, under our names (its family's adapter: the Llama family's speculators
-    `layers.0.` is `midlayer.`). `family`: the draft's, when the caller has read its config.json. A missing or
-    unreadable file is one DataError naming it."""
+    those in `names`), either format, under our names (its family's adapter, from its config.json: the Llama
+    family's speculators `layers.0.` is `midlayer.`). A missing or unreadable file is one DataError naming it."""
     from safetensors import safe_open
 
-    if family is None:
-        family = family_of_config(read_draft_config(path))
     files = draft_weight_files(path)
     if not files:
         raise DataError(f"{Path(path) / WEIGHTS_NAME} is missing; '{path}' is not an exported EAGLE-3 draft "

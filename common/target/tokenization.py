@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from common.core.errors import DataError
-from common.core.io import parse_json
 
 # Message keys templates use for an assistant's reasoning: current vLLM and our templates
 # read `reasoning`, Qwen3/DeepSeek/Kimi templates read `reasoning_content`. We set both,
@@ -310,40 +309,3 @@ def tokenize_server_ids(
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     prompt_ids, completion_ids = [int(t) for t in prompt_token_ids], [int(t) for t in completion_token_ids]
     return _fit(prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids), max_seq_len, overlong, stats)
-
-
-def parse_tokenized_line(line: bytes, path, lineno: int) -> dict:
-    """Parse and check one line of data/train.jsonl or eval.jsonl: {"id", "input_ids", "loss_mask"}.
-
-    Every reader of tokenized samples (02, 03) goes through here, so a bad line gives the
-    same one-line error naming file, line and sample id wherever it is found.
-    """
-    where = f"{path}:{lineno}"
-    try:
-        row = parse_json(line)
-    except ValueError as e:
-        raise DataError(f"{where}: malformed JSONL line ({e}); rerun 01b_generate_synthetic.py --overwrite") from None
-    if not isinstance(row, dict) or not all(k in row for k in ("id", "input_ids", "loss_mask")):
-        raise DataError(f"{where}: expected an object with id, input_ids and loss_mask; rerun 01b_generate_synthetic.py --overwrite")
-    sid, ids, mask = str(row["id"]), row["input_ids"], row["loss_mask"]
-    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
-        raise DataError(f"{where}: sample '{sid}': input_ids and loss_mask must be lists of the same length")
-    if not all(type(t) is int for t in ids):
-        raise DataError(f"{where}: sample '{sid}': input_ids must be integers; rerun 01b_generate_synthetic.py --overwrite")
-    if not all(m in (0, 1) and type(m) is int for m in mask):
-        raise DataError(f"{where}: sample '{sid}': loss_mask must contain only 0 and 1")
-    return {"id": sid, "input_ids": ids, "loss_mask": mask}
-
-
-def check_token_range(sample: dict, vocab_size: int, model: str = "the target") -> None:
-    """Token ids outside the target vocab mean the data was tokenized with another tokenizer."""
-    ids = sample["input_ids"]
-    if not ids:
-        return
-    hi, lo = max(ids), min(ids)
-    if hi >= vocab_size or lo < 0:
-        bad = hi if hi >= vocab_size else lo
-        raise DataError(
-            f"sample '{sample['id']}' has token id {bad}, outside the target vocab [0, {vocab_size}) of {model}: "
-            f"the data was tokenized with a different tokenizer; rerun 01b_generate_synthetic.py with the target's tokenizer"
-        )

@@ -40,7 +40,7 @@ from common.core.io import file_sha256, fsync_dir, iter_jsonl, write_jsonl_atomi
 from common.train.ledger import LEDGER_FILE, SampleLedger
 
 MANIFEST = "manifest.json"
-REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
+REQUIRED = ("model.safetensors", "optimizer.pt", "state.json", LEDGER_FILE, MANIFEST)
 
 
 def frozen_names(draft: nn.Module) -> set[str]:
@@ -190,33 +190,23 @@ def _write_error(what: str, e: Exception, tmp: Path, where: Path) -> PipelineErr
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:
-    """What is wrong with a checkpoint's files, or None if they are whole.
-
-    With a manifest: every listed file has its recorded size and sha256. Without one (written
-    before manifests existed): the required files are present and state.json parses.
-    """
+    """What is wrong with a checkpoint's files, or None if they are whole: every file its manifest lists has the
+    size and sha256 recorded when it was written."""
     missing = [name for name in REQUIRED if not (path / name).is_file()]
     if missing:
         return f"missing {', '.join(missing)}"
-    manifest = path / MANIFEST
-    if manifest.is_file():
-        try:
-            files = json.loads(manifest.read_text())["files"]
-        except (ValueError, KeyError, TypeError):
-            return f"damaged ({MANIFEST} is unreadable)"
-        for name, want in files.items():
-            f = path / name
-            if not f.is_file():
-                return f"missing {name}"
-            if f.stat().st_size != want["bytes"]:
-                return f"damaged ({name} has {f.stat().st_size} bytes, {want['bytes']} were written)"
-            if file_sha256(f) != want["sha256"]:
-                return f"damaged ({name} does not match the sha256 recorded when it was written)"
-        return None
     try:
-        json.loads((path / "state.json").read_text())
-    except ValueError:
-        return "damaged (state.json is not valid JSON)"
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"damaged ({MANIFEST} is unreadable)"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"missing {name}"
+        if f.stat().st_size != want["bytes"]:
+            return f"damaged ({name} has {f.stat().st_size} bytes, {want['bytes']} were written)"
+        if file_sha256(f) != want["sha256"]:
+            return f"damaged ({name} does not match the sha256 recorded when it was written)"
     return None
 
 
@@ -233,7 +223,7 @@ def load_checkpoint(path: Path, draft, optimizer, env: DistEnv) -> dict:
     blob = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     set_optimizer_state_dict(draft, optimizer, blob["optimizer"], options=_sd_options(full_state_dict=True))
     state = json.loads((path / "state.json").read_text())
-    state["ledger"] = SampleLedger.from_file(path / LEDGER_FILE) if (path / LEDGER_FILE).is_file() else None
+    state["ledger"] = SampleLedger.from_file(path / LEDGER_FILE)
     rank_file = path / f"rank{env.rank}.pt"
     state["rank_state"] = {}
     if rank_file.is_file():  # absent when resuming with more ranks than the checkpoint had

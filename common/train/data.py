@@ -21,8 +21,9 @@ batches (and, since the trainer divides every micro-batch loss by the position c
 global step, the same gradients). In the last step of an epoch a rank that runs out gets one of the
 epoch's first micro-batches again with weight 0 (collectives stay in step; no sample counts twice).
 A position is (round, index of the next global micro-batch), which is what a checkpoint stores, with
-the ledger of which sample was trained in which epoch (common.train.ledger). Without a disk budget a round
-is an epoch; under one (common.hidden.rounds) an epoch is several rounds, each a random share of its samples.
+the ledger of which sample was trained in which epoch (common.train.ledger). The rounds are 02's plan's
+(common.hidden.rounds): without a disk budget one per epoch, under one several per epoch, each a random share
+of its samples.
 """
 
 from __future__ import annotations
@@ -190,21 +191,21 @@ def prefetch(read_fn, items, workers: int) -> Iterator:
 
 @dataclass
 class DataPosition:
-    round: int = 0  # = the epoch without a disk budget
+    round: int = 0  # the round of the plan (without a disk budget: the epoch)
     micro_batch: int = 0  # index of the next global micro-batch within the round
 
     def to_dict(self) -> dict:
-        # "epoch": the key checkpoints have always used for the round (older checkpoints resume)
-        return {"epoch": self.round, "micro_batch": self.micro_batch}
+        return {"round": self.round, "micro_batch": self.micro_batch}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataPosition":
-        return cls(int(d["epoch"]), int(d["micro_batch"]))
+        return cls(int(d["round"]), int(d["micro_batch"]))
 
 
 @dataclass
 class RoundSamples:
-    """Under a disk budget: one round's train samples, as 02's plan cut them (common.hidden.rounds)."""
+    """One round's train samples, as 02's plan cut them (common.hidden.rounds): without a disk budget an epoch over
+    every train sample, under one a random share of an epoch."""
 
     epoch: int
     sample_ids: list[str]  # in index order (the round's shards in plan order, each in shard order)
@@ -214,15 +215,14 @@ class RoundSamples:
 class TrainData:
     """The train split as a deterministic sequence of packed micro-batches per round.
 
-    A round is a set of train samples packed with seed (train.seed, round). Without a disk budget every
-    epoch is one round over the whole train split (round r = epoch r). In rounds mode (`rounds` given,
-    from 02's plan) round r is a random share of one epoch's samples, and `index` holds only the shards
-    of the round being trained (use_index swaps it when the next round is on disk); the packing and the
-    step counts of every round come from the plan's lengths, so the whole schedule is known up front."""
+    Round r is a set of train samples (`rounds`, from 02's plan: TrainSource) packed with seed (train.seed, r).
+    `index` holds at least the shards of the round being trained (use_index swaps it when the next round's are
+    on disk); the packing and the step counts of every round come from the plan's lengths, so the whole schedule
+    is known up front."""
 
-    def __init__(self, index: HiddenIndex, batch_max_tokens: int, seed: int, *, world_size: int = 1, rank: int = 0,
-                 grad_accum: int = 1, dtype: torch.dtype = torch.float32, num_workers: int = 0, pin_memory: bool = False,
-                 window: int = 4096, split: str = "train", rounds: list[RoundSamples] | None = None):
+    def __init__(self, index: HiddenIndex, batch_max_tokens: int, seed: int, *, rounds: list[RoundSamples],
+                 world_size: int = 1, rank: int = 0, grad_accum: int = 1, dtype: torch.dtype = torch.float32,
+                 num_workers: int = 0, pin_memory: bool = False, window: int = 4096, split: str = "train"):
         self.split, self.dtype, self.pin_memory = split, dtype, pin_memory
         self.rounds = rounds
         self.budget = batch_max_tokens
@@ -234,57 +234,45 @@ class TrainData:
         self.num_workers = num_workers
         self._sizes: dict[int, int] = {}
         self.use_index(index)
-        for r in range(len(rounds)) if rounds is not None else [0]:  # validates lengths against the budget at startup
+        for r in range(len(rounds)):  # validates lengths against the budget at startup
             self.steps_in_round(r)
 
     def use_index(self, index: HiddenIndex) -> None:
-        """Read from `index` from now on (rounds mode: the shards of the round about to be trained)."""
+        """Read from `index` from now on (the shards of the round about to be trained)."""
         self.index = index
         self.samples = index.split_indices(self.split)
-        if not self.samples and self.rounds is None:  # rounds mode: none until 02 has extracted a round
-            raise DataError(f"no '{self.split}' samples in {index.path}; check data/{self.split}.jsonl and rerun 02")
-        self.lengths = np.array([index.samples[i].length for i in self.samples], dtype=np.int64)
         self._index_of = {index.samples[i].sample_id: i for i in self.samples}
         self.reader = MicroBatchReader(index, dtype=self.dtype, pin_memory=self.pin_memory)
         self._loss_positions = np.full(len(index.samples), -1, dtype=np.int64)  # filled lazily
         self._packed: dict[int, list[list[int]]] = {}
 
+    def add_round(self, samples: RoundSamples) -> None:
+        self.rounds.append(samples)
+        self.steps_in_round(len(self.rounds) - 1)
+
     # -- rounds ----------------------------------------------------------------------------
 
-    @property
-    def num_rounds(self) -> int | None:
-        return len(self.rounds) if self.rounds is not None else None
-
-    def epoch_of(self, r: int) -> int:
-        return self.rounds[r].epoch if self.rounds is not None else r
-
-    def round_ids(self, r: int) -> list[str]:
-        if self.rounds is not None:
-            return self.rounds[r].sample_ids
-        return [self.index.samples[i].sample_id for i in self.samples]
-
     def _round_lengths(self, r: int) -> np.ndarray:
-        return np.asarray(self.rounds[r].lengths, dtype=np.int64) if self.rounds is not None else self.lengths
+        return np.asarray(self.rounds[r].lengths, dtype=np.int64)
 
     def _round_samples(self, r: int) -> list[int]:
-        if self.rounds is None:
-            return self.samples
         try:
             return [self._index_of[sid] for sid in self.rounds[r].sample_ids]
         except KeyError:
             raise DataError(f"round {r + 1} is not in {self.index.path}; rerun 02_extract_hidden.py") from None
 
+    def _first_epoch(self) -> list[RoundSamples]:
+        return [rd for rd in self.rounds if rd.epoch == self.rounds[0].epoch]
+
     # -- the ledger ------------------------------------------------------------------------
 
     def new_ledger(self) -> SampleLedger:
-        """An empty ledger over the train samples (rounds mode: every sample of the first epoch's rounds)."""
-        if self.rounds is None:
-            return SampleLedger(self.round_ids(0))
-        return SampleLedger([sid for rd in self.rounds if rd.epoch == self.rounds[0].epoch for sid in rd.sample_ids])
+        """An empty ledger over the train samples: every sample of the first epoch's rounds."""
+        return SampleLedger([sid for rd in self._first_epoch() for sid in rd.sample_ids])
 
     def record_step(self, ledger: SampleLedger, pos: DataPosition) -> None:
         """Count the samples of the global step at `pos` as trained in its epoch."""
-        ledger.record_ids(self.epoch_of(pos.round),
+        ledger.record_ids(self.rounds[pos.round].epoch,
                           (self.index.samples[i].sample_id for mb in self.step_global_micro_batches(pos) for i in mb))
 
     def ledger_at(self, pos: DataPosition) -> SampleLedger:
@@ -292,11 +280,11 @@ class TrainData:
         the next round after the last micro-batch), and the first pos.micro_batch of pos's round."""
         ledger = self.new_ledger()
         for r in range(pos.round):
-            ledger.record_ids(self.epoch_of(r), self.round_ids(r))
+            ledger.record_ids(self.rounds[r].epoch, self.rounds[r].sample_ids)
         if pos.micro_batch:
-            ids = self.round_ids(pos.round)
+            ids = self.rounds[pos.round].sample_ids
             packed = pack_micro_batches(self._round_lengths(pos.round), self.budget, self.seed, pos.round, self.window)
-            ledger.record_ids(self.epoch_of(pos.round), (ids[k] for mb in packed[: pos.micro_batch] for k in mb))
+            ledger.record_ids(self.rounds[pos.round].epoch, (ids[k] for mb in packed[: pos.micro_batch] for k in mb))
         return ledger
 
     @property
@@ -306,13 +294,10 @@ class TrainData:
     @property
     def num_tokens(self) -> int:
         """Train tokens of one epoch."""
-        if self.rounds is not None:
-            return int(sum(sum(rd.lengths) for rd in self.rounds if rd.epoch == self.rounds[0].epoch))
-        return int(self.lengths.sum())
+        return int(sum(sum(rd.lengths) for rd in self._first_epoch()))
 
     def round_micro_batches(self, r: int) -> list[list[int]]:
-        """The global micro-batches of round r (= epoch r without a disk budget), as lists of sample
-        indices into index.samples."""
+        """The global micro-batches of round r, as lists of sample indices into index.samples."""
         if r not in self._packed:
             packed = pack_micro_batches(self._round_lengths(r), self.budget, self.seed, r, self.window)
             samples = self._round_samples(r)
@@ -332,15 +317,13 @@ class TrainData:
         self.steps_in_round(pos.round)
         return math.ceil((self._sizes[pos.round] - pos.micro_batch) / self.micro_per_step)
 
-    def total_steps(self, epochs: int) -> int:
-        """Steps of `epochs` epochs; rounds mode: of every planned round (02 planned train.epochs)."""
-        return sum(self.steps_in_round(r) for r in range(self.num_rounds if self.rounds is not None else epochs))
+    def total_steps(self) -> int:
+        """Steps of every round."""
+        return sum(self.steps_in_round(r) for r in range(len(self.rounds)))
 
     def epochs_done(self, pos: DataPosition) -> float:
-        """Epochs trained at `pos`, fractional (rounds mode: counted in the rounds' samples)."""
-        if self.rounds is None:
-            return pos.round + (pos.micro_batch / len(self.round_micro_batches(pos.round)) if pos.micro_batch else 0.0)
-        per_epoch = sum(len(rd.sample_ids) for rd in self.rounds if rd.epoch == self.rounds[0].epoch)
+        """Epochs trained at `pos`, fractional (counted in samples)."""
+        per_epoch = sum(len(rd.sample_ids) for rd in self._first_epoch())
         done = sum(len(rd.sample_ids) for rd in self.rounds[: pos.round])
         if pos.micro_batch:
             done += sum(len(mb) for mb in self.round_micro_batches(pos.round)[: pos.micro_batch])

@@ -97,7 +97,6 @@ def export_best(env: DistEnv, draft_cfg: DraftModelConfig, index, layout: Layout
 def best_prediction(best: dict, ckpt: Path, layout: Layout) -> dict:
     """train/best's prediction.json: the eval the best checkpoint's state.json records (04 saves the eval of a
     checkpoint's step with it; a new best is checkpointed right after its eval)."""
-    recorded = read_json(ckpt / "state.json").get("eval")  # checkpoint_problem has checked that it parses
-    why = (f"{ckpt.relative_to(layout.train) / 'state.json'} records no eval of its step (a checkpoint of an earlier "
-           f"version of 04_train.py); rerun 04_train.py --overwrite for a prediction of the best draft")
+    recorded = read_json(ckpt / "state.json")["eval"]  # checkpoint_problem has checked its bytes
+    why = f"{ckpt.relative_to(layout.train) / 'state.json'} records no eval of its step"  # never for a best: evaluated first
     return prediction_record(int(best["step"]), int(best["k"]), recorded, why)

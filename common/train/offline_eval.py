@@ -67,12 +67,11 @@ def evaluate_export(draft_dir, cfg) -> Optional[dict]:
     from common.core.run_folder import Layout
     from common.model.export import load_exported_draft
     from common.target.loading import load_target_tensors
-    from common.train.data import TrainData
+    from common.train.data import MicroBatchReader
 
     t = cfg.train
     target = load_target_tensors(cfg.target.model)
     draft = load_exported_draft(draft_dir, embedding=target["embed"].float())
     loss = StepLoss(draft, target["lm_head"].float(), StepSettings.from_train(t))  # fp32, not compiled, no optimizer
     index = HiddenIndex.load(Layout.of(cfg).hidden_index)
-    data = TrainData(index, t.batch_max_tokens, t.seed, world_size=1, rank=0, grad_accum=1, dtype=torch.float32)
-    return evaluate(loss, index, data.reader, cfg, DistEnv())
+    return evaluate(loss, index, MicroBatchReader(index, dtype=torch.float32), cfg, DistEnv())

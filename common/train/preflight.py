@@ -17,7 +17,7 @@ from common.core.distributed import DistEnv, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout, StageManifest
 from common.hidden.shards import HiddenIndex
-from common.model.draft import DEFAULT_ARCHITECTURE, family_of_config
+from common.model.draft import family_of_config
 from common.target.loading import check_safetensors_readable, target_fingerprint
 from common.train.checkpoint import clean_train_dir
 
@@ -58,10 +58,8 @@ def resolve_precision(cfg, device: torch.device) -> torch.dtype:
 
 
 def draft_identity(draft_cfg) -> dict:
-    """The draft's sizes, and its family when it is not the default one (two families may share the sizes; absent
-    for the default family, so the checkpoints and train/ of earlier runs still match)."""
-    architecture = family_of_config(draft_cfg).architecture
-    return {**dataclasses.asdict(draft_cfg), **({"architecture": architecture} if architecture != DEFAULT_ARCHITECTURE else {})}
+    """The draft's sizes and its family (two families may share the sizes)."""
+    return {**dataclasses.asdict(draft_cfg), "architecture": family_of_config(draft_cfg).architecture}
 
 
 def run_fingerprint(draft_cfg, data_identity: list, d2t: torch.Tensor, t, init) -> str:
@@ -75,16 +73,15 @@ def run_fingerprint(draft_cfg, data_identity: list, d2t: torch.Tensor, t, init) 
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def train_manifest(layout: Layout, rounds: bool, target_id: str, draft_cfg, t, init) -> StageManifest:
-    """04's record: its inputs by content (under rounds the plan, since index.json grows with every round 02
+def train_manifest(layout: Layout, budgeted: bool, target_id: str, draft_cfg, t, init) -> StageManifest:
+    """04's record: its inputs by content (under a disk budget the plan, since index.json grows with every round 02
     extracts) and the settings its outputs depend on."""
     return StageManifest(
         layout, "04_train",
-        inputs={**layout.named(layout.hidden_plan if rounds else layout.hidden_index, layout.vocab_map),
+        inputs={**layout.named(layout.hidden_plan if budgeted else layout.hidden_index, layout.vocab_map),
                 **({"train.init_from": init.fingerprint} if init else {})},
         settings={"target": target_id, "draft": draft_identity(draft_cfg), "batch_max_tokens": t.batch_max_tokens,
-                  "seed": t.seed, **({"init_vocab": init.mode} if init else {})},
-        replaced={"target_model": "target"})  # recorded by path before
+                  "seed": t.seed, **({"init_vocab": init.mode} if init else {})})
 
 
 def decide_outputs(manifest: StageManifest, overwrite: bool, total_steps: int, max_steps: Optional[int],

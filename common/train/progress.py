@@ -136,10 +136,8 @@ class Progress:
         self.last_train_loss = float(state.get("last_train_loss", float("nan")))
         self.last_eval = state.get("eval")  # a run resumed at its last step exports with this eval's prediction
         rank_state = state["rank_state"]
-        saved_k = state.get("ttt_steps")
-        if saved_k is None and "log_window" in rank_state:  # saved before checkpoints recorded it
-            saved_k = (len(rank_state["log_window"]) - 2) // 3
-        if saved_k not in (None, self.K):  # the weights do not depend on it: train on with the new number of TTT steps
+        saved_k = state["ttt_steps"]
+        if saved_k != self.K:  # the weights do not depend on it: train on with the new number of TTT steps
             self.say(f"04_train: note: the checkpoint trained with train.ttt_steps={saved_k}, this run uses {self.K}; "
                      f"the loss from here on is over {self.K} steps")
         elif state.get("world_size") == self.env.world_size and "log_window" in rank_state:

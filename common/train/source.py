@@ -1,18 +1,18 @@
-"""What 04 trains from: the hidden-state index, the rounds of 02's plan, the streaming wait for 02, shard
+"""What 04 trains from: 02's plan and its rounds, the hidden-state index, the streaming wait for 02, shard
 verification and the sample ledger (docs/design.md#rounds-under-a-disk-budget, #streaming, #sample-ledger).
 
-The trainer asks it for micro-batches and reports its steps:
+The trainer asks it for one optimizer step's data at a time and reports its steps:
 
     source = TrainSource(cfg, env, say)        # streaming: waits for 02's plan and eval shards; loads the index
-    source.open(dtype, pin_memory)             # the packed schedule (common.train.data.TrainData): total_steps
-    source.start(pos, checkpoint)              # the ledger at the position (checked against a resumed one)
-    batches = source.batches(pos, steps)       # None: the round at pos is not extracted yet (02's turn)
+    source.open(dtype, pin_memory)             # the packed schedule of every round (common.train.data.TrainData)
+    source.start(pos, ledger, checkpoint)      # the ledger at the position (checked against a resumed one)
+    batch = source.next_batch(pos, steps_left) # a StepBatch; None: the round at pos is not extracted yet (02's turn)
     source.record_step(pos)                    # after each optimizer step
-    source.round_trained(r)                    # after round r's checkpoint: consumed.json, its shards deleted
+    source.round_trained(r)                    # after the checkpoint of a batch that frees its round
 
-Without a disk budget the index holds everything and a round is an epoch. Under one, the index holds the round
-being trained (and the eval shards); batches() swaps it when the position moves to the next round, and 02's
-plan knows every round's samples and lengths, so the schedule is whole from the start.
+Every plan has rounds (common.hidden.rounds): without a disk budget one per epoch over every train shard, all
+on disk and never deleted; under one, several per epoch, each on disk only while it is trained. The index holds
+the round being trained (and the eval shards); next_batch swaps it when a round starts on other shards.
 """
 
 from __future__ import annotations
@@ -21,18 +21,33 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from common.core.distributed import DistEnv, barrier, on_rank0
-from common.core.errors import ConfigError, DataError
+from common.core.errors import DataError
 from common.core.io import file_sha256, read_json
 from common.core.run_folder import Layout, read_manifest
-from common.hidden.index import INDEX_SHARD_FIELDS, mark_trained, read_consumed, read_entries, write_consumed
+from common.hidden.index import INDEX_SHARD_FIELDS, mark_trained, read_consumed, read_entries
 from common.hidden.rounds import HiddenPlan, extracted
 from common.hidden.shards import HiddenIndex, verify_shard_files
 from common.hidden.stream import StreamWait
 from common.train.data import DataPosition, MicroBatch, RoundSamples, TrainData
 from common.train.ledger import SampleLedger
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's data on this rank."""
+
+    pos: DataPosition  # where the step starts
+    next_pos: DataPosition  # where the next one starts
+    micro_batches: Iterator[tuple[MicroBatch, bool]]  # this rank's, read ahead; False: a stand-in with weight 0
+    count: int  # how many micro_batches yields
+    tokens: int  # tokens of the whole global step (all ranks)
+    denominator: int  # what every micro-batch loss is divided by: positions (or tokens) of the whole global step
+    ends_round: bool  # the last step of its round
+    frees_round: bool  # ... and its round's shards are deleted after it (a disk budget): checkpoint it first
 
 
 class TrainSource:
@@ -44,14 +59,16 @@ class TrainSource:
                                layout.manifest("02_extract_hidden")], cfg.extract.stream_wait_minutes, say)
         if self.stream:
             self.wait_for_extraction()
-        plan = HiddenPlan.read(layout.hidden_plan)
-        self.plan = plan if plan is not None and plan.has_rounds else None  # None: one extraction of everything
-        if self.plan is not None:
-            self.check_plan_is_02s()
-        self.round_loaded: Optional[int] = None  # under rounds: the round whose shards self.index holds
-        self.index = HiddenIndex.load(layout.hidden_index, self.first_files_on_disk() if self.plan else None)
+        for path in (layout.hidden_index, layout.hidden_plan):
+            if not path.is_file():
+                raise DataError(f"no hidden-state {path.stem} at {path}; run 02_extract_hidden.py first")
+        self.plan = HiddenPlan.read(layout.hidden_plan, epochs=cfg.train.epochs)
+        self.check_plan_is_02s()
+        self.files_loaded = self.first_files_on_disk()  # the shards self.index holds (all of them verified)
+        self.index = HiddenIndex.load(layout.hidden_index, self.files_loaded)
         self.data: Optional[TrainData] = None
         self.ledger: Optional[SampleLedger] = None
+        self.reading: Optional[tuple[DataPosition, Iterator[MicroBatch]]] = None  # the open stream, at its next step
 
     # -- the plan and the schedule ---------------------------------------------------------
 
@@ -66,53 +83,40 @@ class TrainSource:
                             f"02_extract_hidden.py with --overwrite to plan again")
 
     def open(self, dtype, pin_memory: bool) -> None:
-        """The packed schedule of every round (common.train.data), in the training dtype."""
+        """The packed schedule of every round (common.train.data), in the training dtype; train.max_steps past
+        train.epochs adds epochs where the plan allows it (HiddenPlan.add_epoch)."""
         t = self.cfg.train
-        self.data = TrainData(self.index, t.batch_max_tokens, t.seed, world_size=self.env.world_size, rank=self.env.rank,
-                              grad_accum=t.grad_accum, dtype=dtype, num_workers=t.num_workers, pin_memory=pin_memory,
-                              rounds=self.round_samples())
+        rounds = [self.round_samples(r) for r in range(len(self.plan.rounds))]
+        self.data = TrainData(self.index, t.batch_max_tokens, t.seed, rounds=rounds, world_size=self.env.world_size,
+                              rank=self.env.rank, grad_accum=t.grad_accum, dtype=dtype, num_workers=t.num_workers,
+                              pin_memory=pin_memory)
+        while t.max_steps and t.max_steps > self.data.total_steps():
+            self.plan.add_epoch(f"train.max_steps={t.max_steps} is more than the {self.data.total_steps()} steps of")
+            self.data.add_round(self.round_samples(len(self.plan.rounds) - 1))
 
-    def round_samples(self) -> Optional[list[RoundSamples]]:
-        if self.plan is None:
-            return None
-        planned, epochs = self.plan.settings.get("epochs"), self.cfg.train.epochs
-        if planned != epochs:
-            raise ConfigError(f"02 planned its rounds for train.epochs={planned} but the config says {epochs}; set "
-                              f"train.epochs back, or rerun 02_extract_hidden.py --overwrite (it plans the rounds again)")
-        return [RoundSamples(rd.epoch, *self.plan.round_samples(rd.number)) for rd in self.plan.rounds]
+    def round_samples(self, r: int) -> RoundSamples:
+        return RoundSamples(self.plan.rounds[r].epoch, *self.plan.round_samples(r))
 
     def total_steps(self) -> int:
-        """train.max_steps, or the steps of train.epochs (under rounds: of every planned round)."""
-        t = self.cfg.train
-        planned = self.data.total_steps(t.epochs)
-        if self.plan is not None and t.max_steps and t.max_steps > planned:
-            raise ConfigError(
-                f"train.max_steps={t.max_steps} is more than the {planned} steps of the {len(self.plan.rounds)} "
-                f"rounds 02 planned for train.epochs={t.epochs}; lower train.max_steps, or raise train.epochs and rerun "
-                f"02_extract_hidden.py --overwrite (it plans the rounds again)")
-        return t.max_steps or planned
+        """train.max_steps, or the steps of every round of train.epochs."""
+        return self.cfg.train.max_steps or self.data.total_steps()
 
     def identity(self) -> list:
-        """What identifies the data for a checkpoint: the aux layers and the shards (under rounds: the rounds)."""
-        if self.plan is None:
-            return self.index.fingerprint()
+        """What identifies the data for a checkpoint: the aux layers and the plan's rounds (common.hidden.rounds)."""
         return [self.index.aux_layer_ids, self.plan.identity()]
 
     def sample_lengths(self) -> list[int]:
-        """Every sample's length known now (under rounds, the plan has the rounds not on disk)."""
-        return [s.length for s in self.index.samples] + (self.plan.planned_lengths() if self.plan else [])
+        """Every sample's length known now (the plan has the train samples not on disk)."""
+        return [s.length for s in self.index.samples] + self.plan.planned_lengths()
 
     def describe_position(self, pos: DataPosition) -> str:
-        if self.plan is None:
-            return f"epoch {pos.round + 1}"
-        return self.plan.rounds[pos.round].describe(len(self.plan.rounds)) if pos.round < len(self.plan.rounds) else \
-            f"all {len(self.plan.rounds)} rounds"
+        return self.plan.describe_round(pos.round)
 
     # -- the ledger ------------------------------------------------------------------------
 
     def start(self, pos: DataPosition, saved_ledger: Optional[dict] = None, checkpoint: Optional[Path] = None) -> None:
         """The ledger at `pos`: what the schedule says was trained before it. A resumed checkpoint's own ledger
-        must agree (a checkpoint from before ledgers existed has none)."""
+        (saved_ledger; None on a fresh start) must agree."""
         implied = self.data.ledger_at(pos)
         if saved_ledger is not None and saved_ledger != implied:
             raise DataError(
@@ -128,15 +132,15 @@ class TrainSource:
 
     def wait_for_extraction(self) -> None:
         """Streaming: 04 may start before 02 has planned or written anything. Every rank waits (on its own: what
-        it waits for only ever appears) until plan.json and index.json are there and, under rounds, the eval
-        shards (02 writes them first); without rounds, until the whole extraction is complete."""
+        it waits for only ever appears) until plan.json and index.json are there and, under a budget, the eval
+        shards (02 writes them first); without one, until the whole extraction is complete."""
         layout = self.layout
 
         def ready() -> bool:
-            plan = HiddenPlan.read(layout.hidden_plan)
-            if plan is None or not layout.hidden_index.is_file():
+            if not (layout.hidden_plan.is_file() and layout.hidden_index.is_file()):
                 return False
-            if not plan.has_rounds:
+            plan = HiddenPlan.read(layout.hidden_plan)
+            if not plan.budgeted:
                 return bool(read_json(layout.hidden_index).get("complete"))
             return extracted(plan.eval_files(), read_entries(layout, fragments=False), layout.hidden)
 
@@ -144,47 +148,78 @@ class TrainSource:
             self.wait.tick("02_extract_hidden to write hidden/plan.json and the first shards")
         self.wait.reset()
 
-    def verify_all(self) -> None:
-        """Without rounds, before training: every shard's bytes against index.json (extract.verify)."""
-        if self.plan is None:
-            verify_shard_files(self.index, self.layout, self.env, self.cfg.extract.verify)
+    def verify_loaded(self) -> None:
+        """The loaded shards' bytes against index.json (extract.verify): before training, and at each swap."""
+        verify_shard_files(self.index, self.layout, self.env, self.cfg.extract.verify)
 
     def first_files_on_disk(self) -> list[str]:
         """The files of the first round not consumed that is on disk (else just the eval shards): what the
-        trainer starts from before it knows its position."""
+        trainer starts from before it knows its position. Without a budget every shard is extracted before 04
+        starts: all of them (a missing one is HiddenIndex.load's error, naming it)."""
+        if not self.plan.budgeted:
+            return self.plan.files_of_round(0)
         consumed = read_consumed(self.layout)
         listed = read_entries(self.layout, fragments=False)  # once, not once per round
         for rd in self.plan.rounds:
             if rd.number not in consumed and extracted(self.plan.files_of_round(rd.number), listed, self.layout.hidden):
-                self.round_loaded = rd.number
                 return self.plan.files_of_round(rd.number)
         return self.plan.eval_files()
 
-    def batches(self, pos: DataPosition, steps_left: int) -> Optional[Iterator[MicroBatch]]:
-        """This rank's micro-batches from `pos` to the end of its round (or `steps_left` steps), read ahead; None
-        under rounds when 02 has not extracted the round at `pos` yet (streaming: after waiting for it)."""
-        if self.plan is not None:
-            r = pos.round
-            if not self.round_ready(r):
+    def next_batch(self, pos: DataPosition, steps_left: int) -> Optional[StepBatch]:
+        """The data of the optimizer step at `pos`; None when 02 has not extracted the round at `pos` yet
+        (streaming: after waiting for it). The micro-batches are read ahead to the end of the round (or of
+        `steps_left` steps)."""
+        if self.reading is None or self.reading[0] != pos:
+            stream = self.open_round(pos, steps_left)
+            if stream is None:
                 return None
-            if self.round_loaded != r:
-                self.index = HiddenIndex.load(self.layout.hidden_index, self.plan.files_of_round(r))
-                self.data.use_index(self.index)
-                self.round_loaded = r
-            verify_shard_files(self.index, self.layout, self.env, self.cfg.extract.verify)
-            steps_left = min(self.data.steps_left_in_round(pos), steps_left)
-        return self.data.stream(pos, steps_left)
+            self.reading = (pos, stream)
+        data, stream = self.data, self.reading[1]
+        mine, real, next_pos = data.step_micro_batches(pos)
+        tokens = data.step_tokens(pos)
+        # Each micro-batch loss is a sum over its positions divided by the step-0 position count of the whole
+        # global step, so the step's gradient is the token mean over the global batch (the same for any split
+        # into ranks x micro-batches).
+        denominator = max(1, data.step_loss_positions(pos) if self.cfg.train.loss_normalization == "counted" else tokens)
+        samples = self.index.samples
+
+        def micro_batches() -> Iterator[tuple[MicroBatch, bool]]:
+            for j, slot in enumerate(mine):
+                mb = next(stream)
+                assert mb.sample_ids == [samples[i].sample_id for i in slot], "data stream out of step"
+                yield mb, real[j]
+
+        ends_round = next_pos.round != pos.round
+        last = ends_round or steps_left == 1
+        self.reading = None if last else (next_pos, stream)
+        return StepBatch(pos, next_pos, micro_batches(), len(mine), tokens, denominator, ends_round,
+                         frees_round=last and self.plan.budgeted)
+
+    def open_round(self, pos: DataPosition, steps_left: int) -> Optional[Iterator[MicroBatch]]:
+        """This rank's micro-batches from `pos` to the end of its round (or `steps_left` steps), with the round's
+        shards loaded (and verified) if the index does not hold them yet; None when they are not extracted."""
+        r = pos.round
+        if not self.round_ready(r):
+            return None
+        files = self.plan.files_of_round(r)
+        if files != self.files_loaded:
+            self.index = HiddenIndex.load(self.layout.hidden_index, files)
+            self.files_loaded = files
+            self.data.use_index(self.index)
+            self.verify_loaded()
+        return self.data.stream(pos, min(self.data.steps_left_in_round(pos), steps_left))
 
     def round_ready(self, r: int) -> bool:
         """Whether round r is on disk. Rank 0 decides, so that every rank trains the round or every rank waits for
         it (a rank may have loaded it at the start, another not). Streaming: poll until it is there, one decision
         per poll."""
+        files = self.plan.files_of_round(r)
+
         def decide() -> str:
-            if self.round_loaded == r or extracted(self.plan.files_of_round(r), read_entries(self.layout, fragments=False),
-                                                   self.layout.hidden):
+            if files == self.files_loaded or extracted(files, read_entries(self.layout, fragments=False), self.layout.hidden):
                 return "ready"
             if self.stream:
-                self.wait.check(f"02_extract_hidden to extract {self.plan.rounds[r].describe(len(self.plan.rounds))}")
+                self.wait.check(f"02_extract_hidden to extract {self.plan.describe_round(r)}")
             return "wait"
 
         while True:
@@ -199,17 +234,15 @@ class TrainSource:
         """04's line when it stops because the next round is not extracted yet (its checkpoint is saved)."""
         r = pos.round
         return (f"04_train: {r} of {len(self.plan.rounds)} rounds trained (step {step}/{total_steps}); "
-                f"{self.plan.rounds[r].describe(len(self.plan.rounds))} is not extracted yet: run 02_extract_hidden.py, "
+                f"{self.plan.describe_round(r)} is not extracted yet: run 02_extract_hidden.py, "
                 f"then 04 again (run_pipeline.py alternates them)")
 
-    # -- consumed rounds -------------------------------------------------------------------
+    # -- consumed rounds (under a disk budget; common.hidden.index.mark_trained) -------------
 
     def reconcile(self, pos: DataPosition) -> None:
         """After a resume: rounds before the position are trained (consumed and deleted, even if a kill came
         between the checkpoint and the deletion); rounds from it on are not (a checkpoint that fell back past a
         deleted round has 02 extract it again)."""
-        if self.plan is None:
-            return
         if self.env.is_main:
             redo = sorted(r for r in read_consumed(self.layout) if r >= pos.round)
             if redo:
@@ -226,13 +259,12 @@ class TrainSource:
 
     def restart_rounds(self) -> None:
         """--overwrite, rank 0: training starts over, so 02 extracts the rounds again from the first."""
-        if self.plan is not None:
-            write_consumed(self.layout, [])
+        mark_trained(self.layout, self.plan, set(), keep_out=set(read_consumed(self.layout)))
 
     # -- inputs changed under a running 04 -------------------------------------------------
 
     def inputs_identity(self) -> dict[str, Optional[str]]:
-        """04's inputs by content, as far as they may change under a running 04: index.json (under rounds:
+        """04's inputs by content, as far as they may change under a running 04: index.json (under a disk budget:
         plan.json and index.json's header, since 02 adds each round's shards to the rest) and the vocab map;
         None for a file that is gone. Small files, read whole: no cache to fool."""
         layout = self.layout
@@ -248,7 +280,7 @@ class TrainSource:
 
         ident = {layout.name(layout.vocab_map): sha(read(layout.vocab_map))}
         index = read(layout.hidden_index)
-        if self.plan is None:
+        if not self.plan.budgeted:  # nothing may change in hidden/ while 04 trains
             ident[layout.name(layout.hidden_index)] = sha(index)
             return ident
         ident[layout.name(layout.hidden_plan)] = sha(read(layout.hidden_plan))

@@ -87,8 +87,9 @@ class Trainer:
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env, self.t = cfg, env, cfg.train
         self.layout = layout = Layout.of(cfg)
-        if not cfg.train.init_from:  # draft.architecture checked before any input is read (streaming may wait for 02)
-            draft_family_for(cfg)
+        # draft.architecture, checked before any input is read (streaming may wait for 02); with train.init_from the
+        # init's architecture decides, once it is read
+        self.family = None if cfg.train.init_from else draft_family_for(cfg)
         # Inputs, checked before anything is written: the hidden states (and under a disk budget 02's rounds,
         # streaming: waiting for 02), the target they came from, the vocab map, train.init_from.
         self.source = source = TrainSource(cfg, env, self.say)
@@ -99,7 +100,7 @@ class Trainer:
         # train.init_from: the init's architecture and the vocab map of train.init_vocab (common.train.init_from)
         self.init = InitDraft.read(cfg, self.info, source.index.aux_layer_ids, self.d2t, self.t2d, layout, env) \
             if cfg.train.init_from else None
-        self.family = draft_family_for(cfg, self.init)  # the draft family: what is built, trained and exported
+        self.family = self.family or draft_family_for(cfg, self.init)  # what is built, trained and exported
         if self.init is not None:
             self.d2t, self.t2d, self.draft_cfg = self.init.d2t, self.init.t2d, self.init.draft_cfg
         else:
@@ -137,13 +138,13 @@ class Trainer:
         self.say(f"04_train: memory plan: {self.memory_plan.describe()}"
                  + (f"; GPU capacity {format_bytes(capacity)}" if capacity is not None else ""))
         check_fits(self.memory_plan, capacity, self.replan)
-        self.source.verify_all()
+        self.source.verify_loaded()
 
     def check_outputs(self, overwrite: bool) -> str:
         """"complete", "resume" or "fresh" (common.train.preflight.decide_outputs; rank 0 decides, and alone
         holds train/'s manifest: it alone writes under train/)."""
         def decide() -> str:
-            self.manifest = train_manifest(self.layout, self.source.plan is not None, self.target_id, self.draft_cfg,
+            self.manifest = train_manifest(self.layout, self.source.plan.budgeted, self.target_id, self.draft_cfg,
                                            self.t, self.init)
             return decide_outputs(self.manifest, overwrite, self.total_steps, self.t.max_steps, self.source.restart_rounds)
 
@@ -263,24 +264,20 @@ class Trainer:
         self.progress.open(self.step, self.total_steps)
         self.t_start = time.time()
         self.source.reconcile(self.pos)
-        batches = None
         self.model.train()
         try:
             while self.step < self.total_steps:
-                if batches is None:  # the start, or (under a disk budget) a new round
-                    batches = self.source.batches(self.pos, self.total_steps - self.step)
-                    if batches is None:
-                        return self.stop_for_next_round()
-                this_round = self.pos.round
-                self.train_step(batches)
+                batch = self.source.next_batch(self.pos, self.total_steps - self.step)
+                if batch is None:  # under a disk budget: 02 extracts the next round first
+                    return self.stop_for_next_round()
+                self.train_step(batch)
                 done = self.step == self.total_steps
-                round_done = self.source.plan is not None and (self.pos.round != this_round or done)
                 if self.step % t.log_every == 0 or done:
                     self.progress.log(self.step, self.data.epochs_done(self.pos), self.lr, self.grad_norm, self.anchor_loss,
                                       self.tokens_seen, self.elapsed())
                 eval_due = (t.eval_every > 0 and self.step % t.eval_every == 0) or done
-                save_due = self.step % t.checkpoint_every == 0 or done or round_done
-                if eval_due or save_due or self.pos.round != this_round:
+                save_due = self.step % t.checkpoint_every == 0 or done or batch.frees_round
+                if eval_due or save_due or batch.ends_round:
                     self.check_inputs_unchanged()  # before anything is saved, chosen as best or exported
                 new_best = False
                 if eval_due:
@@ -289,9 +286,8 @@ class Trainer:
                 # a new best is checkpointed at its step, whatever checkpoint_every says (docs/design.md#resume-rules)
                 if save_due or new_best:
                     self.save()  # before a round's shards are deleted: a resume never needs them again
-                if round_done:
-                    self.source.round_trained(this_round)
-                    batches = None
+                if batch.frees_round:
+                    self.source.round_trained(batch.pos.round)
             self.progress.bar.close()
             self.finish()
             if env.is_main:
@@ -300,33 +296,20 @@ class Trainer:
             self.progress.close()
         return 0
 
-    def train_step(self, batches) -> None:
-        t, env, data = self.t, self.env, self.data
+    def train_step(self, batch) -> None:
+        """One optimizer step on `batch` (common.train.source.StepBatch)."""
         t0 = time.perf_counter()
-        lr = lr_at(self.step, self.total_steps, t)
-        mine, real, next_pos = data.step_micro_batches(self.pos)
-        self.tokens_seen += data.step_tokens(self.pos)
-        # Each micro-batch loss is a sum over its positions divided by the step-0 position count of
-        # the whole global step, so the step's gradient is the token mean over the global batch
-        # (same for any split into ranks x micro-batches). DDP/FSDP average over ranks: x world_size.
-        denominator = max(1, data.step_loss_positions(self.pos) if t.loss_normalization == "counted"
-                          else data.step_tokens(self.pos))
-        samples = self.source.index.samples
-
-        def micro_batches():
-            for j in range(len(mine)):
-                mb = next(batches)
-                assert mb.sample_ids == [samples[i].sample_id for i in mine[j]], "data stream out of step"
-                yield mb.to(env.device, non_blocking=self.on_gpu), real[j]
-
-        result = self.step_fn.run(micro_batches(), len(mine), denominator, lr)
+        lr = lr_at(self.step, self.total_steps, self.t)
+        self.tokens_seen += batch.tokens
+        micro_batches = ((mb.to(self.env.device, non_blocking=self.on_gpu), real) for mb, real in batch.micro_batches)
+        result = self.step_fn.run(micro_batches, batch.count, batch.denominator, lr)
         self.grad_norm, self.anchor_loss = result.grad_norm, result.anchor_loss
         if not result.applied:  # a non-finite gradient, the same on every rank (the gradients are all-reduced)
             raise self.diverged(lr)
-        self.source.record_step(self.pos)
+        self.source.record_step(batch.pos)
         self.lr = lr
         self.step += 1
-        self.pos = next_pos
+        self.pos = batch.next_pos
         self.progress.add_step(result.outputs, time.perf_counter() - t0)
 
     def diverged(self, lr: float) -> PipelineError:
@@ -404,11 +387,7 @@ class Trainer:
                      f"{p.describe_last_eval()}; draft in {self.layout.final}")
 
     def why_no_final_eval(self) -> str:
-        """Why train/final's prediction.json holds no eval. 04 evaluates at the last step whatever train.eval_every
-        says, so only a run without an eval split, or one resumed at its last step from a checkpoint of an earlier
-        version that recorded no eval (and no train/eval_report.json of that step), has none."""
-        if not self.source.index.split_indices("eval"):
-            return ("this run has no eval split (hidden/index.json lists no eval samples); set data.eval_fraction > 0 "
-                    "and rerun from 01_prepare_data.py for a prediction")
-        return (f"the run resumed at its last step from a checkpoint that records no eval, and {self.layout.train_eval_report} "
-                f"holds none of that step; rerun 04_train.py --overwrite for a prediction")
+        """Why train/final's prediction.json holds no eval: 04 evaluates at the last step whatever train.eval_every
+        says (and a checkpoint records its step's eval), so only a run without an eval split has none."""
+        return ("this run has no eval split (hidden/index.json lists no eval samples); set data.eval_fraction > 0 "
+                "and rerun from 01_prepare_data.py for a prediction")

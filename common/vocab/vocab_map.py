@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.target.tokenization import check_token_range, parse_tokenized_line
 from common.core.errors import DataError
 from common.core.io import atomic_path, atomic_write_json, bytes_bar, read_json
 from common.core.run_folder import Layout, StageManifest
+from common.core.tokenized import check_token_range, parse_tokenized_line
 from common.model.draft_vocab import build_mappings
 
 log = logging.getLogger("vocab_map")

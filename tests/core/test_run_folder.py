@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from common.core.errors import ConfigError, DataError
-from common.core.run_folder import Layout, StageManifest, read_manifest
+from common.core.run_folder import RUN_FOLDER_VERSION, Layout, StageManifest, read_manifest
 from common.core.stage_lock import StageBusy, lock_holder, refuse_overwrite_while_read, stage_lock
 from tests.helpers import hold_lock
 
@@ -127,16 +127,23 @@ def test_overwrite_is_refused_while_a_reader_of_the_outputs_runs(tmp_path):
     refuse_overwrite_while_read(tmp_path, "02_extract_hidden")
 
 
-def test_a_setting_recorded_under_a_new_key_is_not_a_change(tmp_path):
-    """A setting an older manifest recorded under another key (04's "target_model", a path, now "target", its
-    content) is not a mismatch; a real change of the new key still is."""
+def test_a_manifest_of_another_run_folder_version_is_one_error_line(tmp_path):
+    """One run-folder version: a manifest an earlier (or later) version recorded is refused with one line naming
+    the stage, the versions and --overwrite, instead of being read through compatibility code; --overwrite starts
+    over and records this version."""
     layout = Layout.of(tmp_path)
-    StageManifest(layout, "04_train", settings={"target_model": "/a/path", "seed": 0}).partial()
-    new = StageManifest(layout, "04_train", settings={"target": "sha-of-weights", "seed": 0},
-                        replaced={"target_model": "target"})
-    assert new.changes() == ([], [])
-    assert new.begin(False) == "resume"
-    assert read_manifest(layout, "04_train")["settings"] == {"target": "sha-of-weights", "seed": 0}  # recorded anew
-    other = StageManifest(layout, "04_train", settings={"target": "other-weights", "seed": 0},
-                          replaced={"target_model": "target"})
-    assert other.changes() == (["target"], [])
+    StageManifest(layout, "04_train", settings={"target": "sha-of-weights", "seed": 0}).partial()
+    assert read_manifest(layout, "04_train")["run_folder_version"] == RUN_FOLDER_VERSION
+    for found in (None, RUN_FOLDER_VERSION - 1, RUN_FOLDER_VERSION + 1):
+        record = read_manifest(layout, "04_train")
+        record.pop("run_folder_version")
+        layout.manifest("04_train").write_text(json.dumps({**record, **({"run_folder_version": found} if found else {})}))
+        new = StageManifest(layout, "04_train", settings={"target": "sha-of-weights", "seed": 0})
+        with pytest.raises(DataError) as e:
+            new.begin(False)
+        msg = str(e.value)
+        made_by = "a later" if found and found > RUN_FOLDER_VERSION else "an earlier"
+        assert "\n" not in msg and f"made by {made_by} version of this pipeline" in msg, msg
+        assert f"run-folder version {json.dumps(found)}" in msg and "rerun 04_train.py with --overwrite" in msg, msg
+        assert new.begin(True) == "fresh"
+        assert read_manifest(layout, "04_train")["run_folder_version"] == RUN_FOLDER_VERSION

@@ -501,9 +501,10 @@ def test_a_moved_source_folder_is_the_same_source_and_a_renamed_file_in_it_is_no
 
 
 @pytest.mark.parametrize("folder", [False, True])
-def test_a_run_folder_whose_01_recorded_the_source_by_path_stays_complete(tmp_path, folder):
-    """01's manifest before the source was keyed by content ("source PATH" inputs, the path a setting): the same
-    source is complete, and the manifest is recorded anew by content."""
+def test_a_run_folder_whose_01_was_made_by_an_earlier_version_is_one_error_line(tmp_path, folder):
+    """01's manifest from an earlier version (it recorded the source by path: "source PATH" inputs, the path a
+    setting, and no run-folder version) is refused with one line, not read through compatibility code; --overwrite
+    makes 01's outputs again, recorded by content."""
     src = tmp_path / "src"
     src.mkdir()
     files = [write_jsonl(src / "a.jsonl", [SHAREGPT])] + ([write_jsonl(src / "b.jsonl", [OPENAI])] if folder else [])
@@ -515,10 +516,10 @@ def test_a_run_folder_whose_01_recorded_the_source_by_path_stays_complete(tmp_pa
     new_inputs = manifest["inputs"]
     manifest["inputs"] = {f"source {f}": hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     manifest["settings"]["data.source"] = str(source)
+    del manifest["run_folder_version"]
     path.write_text(json.dumps(manifest))
-    assert prepare_prompts(make_cfg(run, source=str(source)), progress=False)["status"] == "already_complete"
-    assert json.loads(path.read_text())["inputs"] == new_inputs
-    write_jsonl(files[0], [OPENAI])  # and a changed one is still a change
-    path.write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match=r"data\.source changed"):
+    with pytest.raises(DataError, match=r"^01_prepare_data: .* made by an earlier version of this pipeline .*: rerun "
+                                        r"01_prepare_data.py with --overwrite, and the stages after it$"):
         prepare_prompts(make_cfg(run, source=str(source)), progress=False)
+    assert prepare_prompts(make_cfg(run, source=str(source)), overwrite=True, progress=False)["status"] == "done"
+    assert json.loads(path.read_text())["inputs"] == new_inputs

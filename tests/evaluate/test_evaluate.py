@@ -149,7 +149,7 @@ def test_training_curves_and_plot_file(tmp_path):
     assert curves["eval"]["acc"] == {0: [(30, 0.8)], 1: [(30, 0.45)]}
 
     report = {"acceptance_length": 2.31, "num_speculative_tokens": 3, "per_position_acceptance": [0.71, 0.41, 0.19],
-              "offline": {"expected_per_position": [0.8, 0.36, 0.072]}}
+              "offline": {"expected_per_position": [0.8, 0.36, 0.072]}, "prompt_sets": {}}
     out = plot_report(report, metrics, tmp_path / "eval" / "report.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -14,10 +14,11 @@ import json
 import pytest
 
 from common.core.config import config_from_dict
+from common.core.errors import DataError
 from common.evaluate import serve
 from common.evaluate import stage as evaluate
 from common.evaluate.compare import compare_lines
-from common.evaluate.report import summary_lines
+from common.evaluate.report import read_back, summary_lines
 from common.evaluate.steps import slowdown_line, step_times
 from common.serving.vllm_server import (metrics_delta, parse_prometheus, spec_decode_metrics, step_metrics,
                                         step_metrics_delta)
@@ -158,7 +159,7 @@ SLOW = {"measured": True, "target_step_s": 0.0123, "iteration_s": 0.03567, "acce
         "speedup_from_steps": 0.569, "decode_share": {"with_draft": 0.9512, "without_draft": 0.9}}
 
 
-def test_the_summary_says_why_the_draft_slows_serving():
+def test_the_summary_says_why_the_draft_slows_serving(tmp_path):
     said = ("the draft slows serving (0.55x tokens/s): each iteration (3 draft steps + verification) costs 2.90x a target "
             "step (35.7 vs 12.3 ms) and yields 1.65 tokens: 1.65 / 2.90 = 0.57x in decode, which is 95% of the requests' "
             "time with the draft, 90% without")
@@ -169,11 +170,16 @@ def test_the_summary_says_why_the_draft_slows_serving():
     lines = summary_lines(report)
     assert lines[1] == f"held-out prompts: {said}"
     assert lines[2].startswith("prompt set gsm8k (3 prompts): acceptance length 1.65") and lines[3] == f"prompt set gsm8k: {said}"
-    # nothing to explain at 1.0x and above; nothing to say without step times (reports made before them too)
+    # nothing to explain at 1.0x and above; nothing to say without step times
     assert slowdown_line(part_of(1.2, SLOW)) is None
     assert slowdown_line(part_of(0.55, {"measured": False, "reason": "x"})) is None
-    assert slowdown_line({k: v for k, v in part_of(0.55, SLOW).items() if k != "step_times"}) is None
-    assert len(summary_lines(part_of(1.2, SLOW))) == 1
+    # a report without them was made by an earlier version (or another program): read back, one error line
+    old = tmp_path / "report.json"
+    old.write_text(json.dumps({k: v for k, v in report.items() if k != "step_times"}))
+    with pytest.raises(DataError, match=r"report.json was made by an earlier version of this pipeline or another program "
+                                        r"\(KeyError: 'step_times'\); rerun 05_evaluate.py with --overwrite$"):
+        read_back(old, summary_lines)
+    assert len(summary_lines({**part_of(1.2, SLOW), "prompt_sets": {}})) == 1
 
 
 def test_compare_lines_put_the_iteration_cost_beside_the_speedup():
@@ -184,7 +190,7 @@ def test_compare_lines_put_the_iteration_cost_beside_the_speedup():
     assert compare_lines(comparison)[1] == ("held_out (4 prompts): acceptance length a 1.90 | b 1.80 | b - a -0.10 | tokens/s "
                                             "vs the target alone: a 0.62x, b 0.58x | an iteration with the draft costs a "
                                             "3.05x, b 3.10x a target step")
-    del comparison["cost_ratio"]  # a comparison written before step times
+    comparison["cost_ratio"] = {"held_out": {"a": None, "b": None}}  # step times not measured (/metrics not read)
     assert compare_lines(comparison)[1].endswith("tokens/s vs the target alone: a 0.62x, b 0.58x")
 
 

@@ -4,6 +4,7 @@ format_version check, and verification of damaged shards. No target model: the s
 from __future__ import annotations
 
 import json
+import re
 import random
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def test_index_fragments_merge_with_the_index(tmp_path):
     assert read_entries(layout, fragments=False) == entries  # 04's view: what index.json lists
 
 
-@pytest.mark.parametrize("version", [3, 0, None, "1"])
+@pytest.mark.parametrize("version", [4, 0, None, "1"])
 def test_an_index_in_another_format_version_is_one_clear_error(tmp_path, version):
     layout, _ = write_run(tmp_path / "run")
     raw = json.loads(layout.hidden_index.read_text())
@@ -153,21 +154,20 @@ def test_an_index_in_another_format_version_is_one_clear_error(tmp_path, version
         assert "rerun 02_extract_hidden.py with --overwrite" in msg  # what to do
 
 
-def test_format_version_1_run_folders_keep_loading(tmp_path):
-    """A v1 folder is a v2 "full" folder without the storage field (the shards are the same bytes)."""
-    assert READ_VERSIONS == (1, 2) and FORMAT_VERSION == 2
-    layout, written = write_run(tmp_path / "run")
+def test_earlier_format_versions_are_one_error_line(tmp_path):
+    """One run-folder version: an index in format 1 or 2 (made by an earlier version) is not read through
+    compatibility code but refused with one line that says so and how to rewrite it."""
+    assert READ_VERSIONS == (FORMAT_VERSION,) == (3,)
+    layout, _ = write_run(tmp_path / "run")
     raw = json.loads(layout.hidden_index.read_text())
-    assert raw["format_version"] == 2 and raw["storage"] == "full"
-    raw["format_version"] = 1
-    del raw["storage"]
-    layout.hidden_index.write_text(json.dumps(raw))
-    index = HiddenIndex.load(layout.hidden_index)
-    assert index.storage == "full" and len(index.samples) == 12
-    samples, batches = written[index.shards[0].file]
-    rows = ShardReader(index).read([0])
-    assert torch.equal(rows["aux_hidden"], batches[0]["aux"][:len(samples[0]["input_ids"])])
-    assert sorted(read_entries(layout)) == [p.name for p in layout.shard_files()]
+    assert raw["format_version"] == 3 and raw["storage"] == "full"
+    for version in (1, 2):
+        layout.hidden_index.write_text(json.dumps({**raw, "format_version": version}))
+        for read in (lambda: HiddenIndex.load(layout.hidden_index), lambda: read_entries(layout)):
+            with pytest.raises(DataError, match=rf"^{re.escape(str(layout.hidden_index))} was made by an earlier version of "
+                                                rf"this pipeline \(hidden-state format_version {version}, this code reads "
+                                                rf"format_version 3\): rerun 02_extract_hidden.py with --overwrite"):
+                read()
 
 
 def test_fp8_shards_round_trip_and_cost_about_half_of_bf16(tmp_path):

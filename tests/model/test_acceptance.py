@@ -102,7 +102,9 @@ def test_two_segments_replay_independently_and_packed_rows_split_samples():
     assert again.report() == rep
     assert describe({"replay": rep, "tau": {"2": 1.9}}, [2]) == \
         "predicted vLLM acceptance length (replay) at k=2: 1.60 (product formula 1.90)"
-    assert describe({"tau": {"2": 1.9}}, [2]) == "expected acceptance length (product formula) at k=2: 1.90"
+    # a report as 04 writes it: "replay" and "tau" at every k
+    assert describe({"replay": rep, "tau": {"1": 1.5, "2": 1.9}}, [1, 2]) == \
+        "predicted vLLM acceptance length (replay) at k=1: 1.40 (product formula 1.50), k=2: 1.60 (product formula 1.90)"
     assert describe({}, [2]) == "no eval split"
 
 

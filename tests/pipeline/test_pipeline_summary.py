@@ -18,9 +18,12 @@ from tests.helpers import REPO, stage_env, write_yaml
 
 def report_of(weights: bytes) -> dict:
     """What format_summary reads of a 05 report, for a draft with these weights."""
+    runs = {"tokens_per_s_runs": [10.0, 10.0, 10.0]}
     return {"draft_sha256": hashlib.sha256(weights).hexdigest(), "acceptance_length": 2.5, "num_speculative_tokens": 3,
-            "per_position_acceptance": [0.8, 0.5, 0.2], "throughput": {"speedup": 1.7},
-            "outputs": {"identical": 4, "compared": 4}}
+            "per_position_acceptance": [0.8, 0.5, 0.2],
+            "throughput": {"speedup": 1.7, "speedup_range": [1.6, 1.8], "verdict": "faster", "with_draft": runs,
+                           "without_draft": runs},
+            "step_times": {"measured": False}, "outputs": {"identical": 4, "compared": 4}, "prompt_sets": {}}
 
 
 def run_pipeline_until_01(tmp_path: Path) -> subprocess.CompletedProcess:

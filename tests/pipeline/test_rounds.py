@@ -10,6 +10,8 @@ backend), a disk sampler on hidden/, SIGKILLs at random moments of both stages.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import json
 import os
 import random
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+import run_pipeline
 
 from tests.helpers import (REPO, base_config, cpu_seconds, error_line, kill_while_working, last_logged, make_target,
                            run_stage, stage_env, start_in_own_group, structured_samples, write_yaml)
@@ -70,18 +74,36 @@ def train_state(run_dir: Path) -> str:
     return json.loads(manifest.read_text())["state"] if manifest.is_file() else "none"
 
 
-def alternate(cfg: Path, run_dir: Path, max_rounds: int = 40, nproc: int = 1) -> int:
-    """What run_pipeline.py does: 02, 03, 04, then 02 and 04 until 04 is complete. Returns the 04 runs."""
-    stage("02_extract_hidden.py", cfg)
-    stage("03_build_vocab_map.py", cfg)
-    stage("04_train.py", cfg, nproc=nproc)
-    runs = 1
-    while train_state(run_dir) != "complete":
-        assert runs < max_rounds, "02 and 04 do not converge"
-        stage("02_extract_hidden.py", cfg)
-        stage("04_train.py", cfg, nproc=nproc)
-        runs += 1
-    return runs
+class RoundsPipeline(run_pipeline.Pipeline):
+    """run_pipeline.py's own orchestrator, with one stub: 04 under torchrun when nproc > 1. Counts each stage's runs."""
+
+    def __init__(self, cfg: Path, nproc: int = 1):
+        from common.core.config import load_config
+
+        args = argparse.Namespace(config=str(cfg), overrides=[], stop_after=None, server_url=None, tiny_target=None,
+                                  real_target=None)
+        super().__init__(args, load_config(cfg))
+        self.nproc = nproc
+        self.runs: collections.Counter = collections.Counter()
+
+    def stage_command(self, name: str, script: str, *extra: str) -> list[str]:
+        self.runs[name] += 1
+        command = super().stage_command(name, script, *extra)
+        if name == "04_train" and self.nproc > 1:
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}",
+                    *command[1:]]
+        return command
+
+
+def alternate(cfg: Path, run_dir: Path, nproc: int = 1) -> int:
+    """What run_pipeline.py runs, by its own code: 02, 03, then Pipeline.train (04, then 02 and 04 in turn until 04
+    is complete; it stops on a round without progress). Returns the 04 runs."""
+    pipeline = RoundsPipeline(cfg, nproc)
+    pipeline.extract()
+    pipeline.stage("03_build_vocab_map", "03_build_vocab_map.py")
+    pipeline.train()
+    assert train_state(run_dir) == "complete"
+    return pipeline.runs["04_train"]
 
 
 class DiskSampler:
@@ -538,6 +560,12 @@ def test_run_pipeline_on_sharegpt_data_under_a_disk_budget_trains_to_the_end(tmp
     plan = json.loads((run_dir / "hidden" / "plan.json").read_text())
     assert len(plan["rounds"]) >= 2 * EPOCHS, plan["rounds"]
     assert disk.samples > 50 and disk.peak <= plan["max_disk_bytes"], (disk.peak, plan["max_disk_bytes"])
+    # run_pipeline ran 02 and 04 once per round (02 extracts a round, 04 trains and deletes it), and every round
+    # was trained and deleted
+    run = json.loads((run_dir / "logs" / "pipeline_runs.jsonl").read_text().splitlines()[-1])
+    ran = collections.Counter(s["stage"] for s in run["stages"])
+    assert ran["04_train"] == ran["02_extract_hidden"] == len(plan["rounds"]), (ran, len(plan["rounds"]))
+    assert json.loads((run_dir / "hidden" / "consumed.json").read_text())["rounds"] == list(range(len(plan["rounds"])))
     check_ledger(run_dir)
     assert json.loads((run_dir / "stages" / "04_train.json").read_text())["state"] == "complete"
     assert (run_dir / "train" / "final" / "model.safetensors").is_file()

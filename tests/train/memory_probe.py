@@ -36,11 +36,10 @@ def main(config_path: str, steps: int, overrides: list[str]) -> None:
         trainer.build_model(load_target_tensors(cfg.target.model))
         trainer.init_state()
         trainer.progress.bar = type("Bar", (), {"update": lambda self, n: None})()
-        batches = trainer.data.stream(trainer.pos, steps)
         trainer.model.train()
         for s in range(steps):
             with record_function(f"probe_step_{s}"):
-                trainer.train_step(batches)
+                trainer.train_step(trainer.source.next_batch(trainer.pos, steps - s))
 
     def walk(nodes):
         for n in nodes:

@@ -5,6 +5,7 @@ prediction.json, the eval at its own step, which 05 reads beside the draft it me
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -118,6 +119,14 @@ def test_without_an_eval_split_only_the_last_is_exported(hidden_run, tmp_path, o
     assert eval_files
     index["shards"] = [s for s in index["shards"] if s["file"] not in eval_files]
     (run_dir / "hidden" / "index.json").write_text(json.dumps(index))
+    plan = json.loads((run_dir / "hidden" / "plan.json").read_text())  # as 02 plans data.eval_fraction 0
+    plan["shards"] = [s for s in plan["shards"] if s["file"] not in eval_files]
+    (run_dir / "hidden" / "plan.json").write_text(json.dumps(plan))
+    record = run_dir / "stages" / "02_extract_hidden.json"  # 02's record of the plan's sha256, when the clone has it
+    if record.is_file():
+        manifest = json.loads(record.read_text())
+        manifest["result"]["plan_sha256"] = hashlib.sha256((run_dir / "hidden" / "plan.json").read_bytes()).hexdigest()
+        record.write_text(json.dumps(manifest))
     assert run_training(load_config(cfg_path)) == 0
     out = capsys.readouterr().out
     assert "no eval ran" in out and "train/best is not written" in out

@@ -70,6 +70,14 @@ def test_packing_is_deterministic_budgeted_and_complete():
         pack_micro_batches(np.array([10, 600]), 512, 0, 0)
 
 
+def epochs_of(index, n: int) -> list:
+    """The rounds of an unbudgeted plan over this index: n epochs of every train sample, in index order."""
+    from common.train.data import RoundSamples
+
+    train = [index.samples[i] for i in index.split_indices("train")]
+    return [RoundSamples(e, [s.sample_id for s in train], [s.length for s in train]) for e in range(n)]
+
+
 def test_rank_schedule_matches_grad_accum(hidden_run):
     """1 process x grad_accum 2 and 2 processes x grad_accum 1 consume the same global batches."""
     from common.core.run_folder import Layout
@@ -77,8 +85,8 @@ def test_rank_schedule_matches_grad_accum(hidden_run):
     from common.train.data import DataPosition, TrainData
 
     index = HiddenIndex.load(Layout.of(yaml.safe_load(hidden_run.read_text())["run_dir"]).hidden_index)
-    single = TrainData(index, 256, seed=0, world_size=1, rank=0, grad_accum=2)
-    ranks = [TrainData(index, 256, seed=0, world_size=2, rank=r, grad_accum=1) for r in (0, 1)]
+    single = TrainData(index, 256, seed=0, rounds=epochs_of(index, 2), world_size=1, rank=0, grad_accum=2)
+    ranks = [TrainData(index, 256, seed=0, rounds=epochs_of(index, 2), world_size=2, rank=r, grad_accum=1) for r in (0, 1)]
     assert single.steps_in_round(0) == ranks[0].steps_in_round(0)
     pos1 = pos2 = DataPosition()
     for _ in range(single.steps_in_round(0) + 2):  # crosses into round (= epoch) 1
@@ -305,7 +313,8 @@ def test_stand_in_micro_batches_at_an_epoch_end_have_weight_zero(hidden_run, tmp
 
     index = HiddenIndex.load(Layout.of(yaml.safe_load(hidden_run.read_text())["run_dir"]).hidden_index)
     total = sum(index.samples[i].length for i in index.split_indices("train"))
-    budget = next(b for b in range(total // 2, total, 64) if len(TrainData(index, b, seed=0).round_micro_batches(0)) == 2)
+    budget = next(b for b in range(total // 2, total, 64)
+                  if len(TrainData(index, b, seed=0, rounds=epochs_of(index, 1)).round_micro_batches(0)) == 2)
     runs = {}
     for accum in (2, 3):
         cfg = clone_run(hidden_run, tmp_path / f"ga{accum}", max_steps=1, grad_accum=accum, batch_max_tokens=budget,
@@ -314,7 +323,7 @@ def test_stand_in_micro_batches_at_an_epoch_end_have_weight_zero(hidden_run, tmp
         assert res.returncode == 0, res.stderr[-2000:]
         ckpt = tmp_path / f"ga{accum}" / "run" / "train" / "checkpoints" / "step-1"
         runs[accum] = load_file(str(ckpt / "model.safetensors"))
-        assert json.loads((ckpt / "state.json").read_text())["data_position"] == {"epoch": 1, "micro_batch": 0}
+        assert json.loads((ckpt / "state.json").read_text())["data_position"] == {"round": 1, "micro_batch": 0}
     for name, weight in runs[2].items():
         assert torch.equal(weight, runs[3][name]), name
 
