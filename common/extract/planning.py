@@ -50,8 +50,7 @@ def plan_settings(cfg, info) -> dict:
         "target_dtype": cfg.target.dtype,
         "dtype": cfg.extract.dtype,
         "shard_max_tokens": cfg.extract.shard_max_tokens,
-        # only when not "full": run folders made before extract.storage existed stay complete
-        **({"storage": cfg.extract.storage} if cfg.extract.storage != "full" else {}),
+        "storage": cfg.extract.storage,
         # rounds under a disk budget: the rounds are cut per epoch from a permutation seeded by train.seed
         **({"max_disk_gb": cfg.extract.max_disk_gb, "epochs": cfg.train.epochs, "seed": cfg.train.seed}
            if cfg.extract.max_disk_gb is not None else {}),

@@ -91,7 +91,7 @@ def index_header(settings: dict, target_model: str, inputs: dict, target_weights
     target_weights: the target's content fingerprint (common.target.loading.target_fingerprint), which 04
     checks against the target it loads."""
     s = settings
-    storage = storage_of(s)  # the settings name it only when not "full"
+    storage = storage_of(s)
     return {
         "format_version": FORMAT_VERSION,
         "storage": storage,

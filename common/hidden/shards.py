@@ -52,7 +52,6 @@ if TYPE_CHECKING:  # torch is imported only when shards are written or read (02'
     from common.core.distributed import DistEnv
     from common.core.run_folder import Layout
 
-# Version 2 added index.json's "storage" and the fp8 storage; a "full" v2 shard is byte-identical to v1.
 FORMAT_VERSION = 3  # what write_* produce (3: plan.json's train shards list their samples' lengths)
 READ_VERSIONS = (FORMAT_VERSION,)  # one run-folder version: an earlier one is rewritten, not read
 SPLITS = ("train", "eval")
@@ -98,8 +97,8 @@ def describe_bytes_per_token(num_aux: int, hidden_size: int, dtype: str, storage
 
 
 def storage_of(doc: dict) -> str:
-    """index.json's or the plan settings' storage (the settings name it only when it is not "full")."""
-    return doc.get("storage", "full")
+    """index.json's or the plan settings' storage ("full" or "fp8")."""
+    return doc["storage"]
 
 
 def check_format_version(doc: dict, path: Path) -> None:

@@ -26,7 +26,7 @@ from common.hidden.index import (
 from common.hidden.rounds import HiddenPlan
 
 SETTINGS = {"aux_layer_ids": [1, 2, 3], "num_target_layers": 4, "target_hidden_size": 8, "vocab_size": 100,
-            "model_type": "llama", "dtype": "bfloat16", "target_dtype": "bfloat16"}
+            "model_type": "llama", "dtype": "bfloat16", "target_dtype": "bfloat16", "storage": "full"}
 
 
 def plan_shards(n: int) -> list[dict]:

@@ -61,7 +61,7 @@ def write_run(run_dir: Path, splits=(("train", 2), ("eval", 1)), storage: str = 
     layout.hidden.mkdir(parents=True)
     settings = {"aux_layer_ids": AUX, "num_target_layers": 4, "target_hidden_size": H, "vocab_size": 100,
                 "model_type": "llama", "dtype": "bfloat16", "target_dtype": "bfloat16",
-                **({"storage": storage} if storage != "full" else {})}
+                "storage": storage}
     header = index_header(settings, "tiny", {"train": {"file": "data/train.jsonl"}})
     plan_shards, written = [], {}
     for split, n_shards in splits:
