@@ -89,13 +89,17 @@ class HiddenPlan:
                               f"train.epochs back, or rerun 02_extract_hidden.py --overwrite (it plans the rounds again)")
         return plan
 
-    def add_epoch(self, why: str = "") -> Round:
-        """One more round over every train shard (an unbudgeted plan: train.max_steps runs past train.epochs).
-        A budgeted plan has exactly the rounds 02 planned: a ConfigError saying `why` more are wanted."""
+    def check_more_epochs(self, why: str) -> None:
+        """More rounds than train.epochs' are wanted (`why`): fine for an unbudgeted plan (add_epoch), a ConfigError
+        for a budgeted one, which has exactly the rounds 02 planned."""
         if self.budgeted:
             raise ConfigError(f"{why} the {len(self.rounds)} rounds 02 planned for train.epochs="
                               f"{self.settings.get('epochs')}; lower train.max_steps, or raise train.epochs and rerun "
                               f"02_extract_hidden.py --overwrite (it plans the rounds again)")
+
+    def add_epoch(self) -> Round:
+        """One more round over every train shard (an unbudgeted plan; train.max_steps runs past train.epochs)."""
+        self.check_more_epochs("one more epoch is more than")
         train = [s for s in self.shards if s["split"] == "train"]
         e = len(self.rounds)
         self.rounds.append(Round(e, e, tuple(s["file"] for s in train), sum(s["num_samples"] for s in train),

@@ -83,19 +83,26 @@ class TrainSource:
                             f"02_extract_hidden.py with --overwrite to plan again")
 
     def open(self, dtype, pin_memory: bool) -> None:
-        """The packed schedule of every round (common.train.data), in the training dtype; train.max_steps past
-        train.epochs adds epochs where the plan allows it (HiddenPlan.add_epoch)."""
+        """The packed schedule of every round of train.epochs (common.train.data), in the training dtype.
+        train.max_steps past them: more epochs where the plan allows it, added when the position gets there
+        (reach), else one ConfigError now."""
         t = self.cfg.train
         rounds = [self.round_samples(r) for r in range(len(self.plan.rounds))]
         self.data = TrainData(self.index, t.batch_max_tokens, t.seed, rounds=rounds, world_size=self.env.world_size,
                               rank=self.env.rank, grad_accum=t.grad_accum, dtype=dtype, num_workers=t.num_workers,
                               pin_memory=pin_memory)
-        while t.max_steps and t.max_steps > self.data.total_steps():
-            self.plan.add_epoch(f"train.max_steps={t.max_steps} is more than the {self.data.total_steps()} steps of")
-            self.data.add_round(self.round_samples(len(self.plan.rounds) - 1))
+        planned = self.data.total_steps()
+        if t.max_steps and t.max_steps > planned:
+            self.plan.check_more_epochs(f"train.max_steps={t.max_steps} is more than the {planned} steps of")
 
     def round_samples(self, r: int) -> RoundSamples:
         return RoundSamples(self.plan.rounds[r].epoch, *self.plan.round_samples(r))
+
+    def reach(self, pos: DataPosition) -> None:
+        """The rounds up to pos's (an unbudgeted plan past train.epochs: one more epoch each, HiddenPlan.add_epoch)."""
+        while pos.round >= len(self.plan.rounds):
+            self.plan.add_epoch()
+            self.data.add_round(self.round_samples(len(self.plan.rounds) - 1))
 
     def total_steps(self) -> int:
         """train.max_steps, or the steps of every round of train.epochs."""
@@ -117,6 +124,7 @@ class TrainSource:
     def start(self, pos: DataPosition, saved_ledger: Optional[dict] = None, checkpoint: Optional[Path] = None) -> None:
         """The ledger at `pos`: what the schedule says was trained before it. A resumed checkpoint's own ledger
         (saved_ledger; None on a fresh start) must agree."""
+        self.reach(pos)
         implied = self.data.ledger_at(pos)
         if saved_ledger is not None and saved_ledger != implied:
             raise DataError(
@@ -170,6 +178,7 @@ class TrainSource:
         (streaming: after waiting for it). The micro-batches are read ahead to the end of the round (or of
         `steps_left` steps)."""
         if self.reading is None or self.reading[0] != pos:
+            self.reach(pos)
             stream = self.open_round(pos, steps_left)
             if stream is None:
                 return None

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from common.core.distributed import DistEnv
-from common.core.errors import DataError
+from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout
 from common.hidden.index import (
     build_index,
@@ -70,6 +70,33 @@ def test_two_ranks_record_the_index_one_process_records(tmp_path):
     assert two.hidden_index.read_bytes() == one.hidden_index.read_bytes() == json_text(index).encode()
     drop_fragments(two)
     assert two.index_fragments() == [] and read_entries(two) == known
+
+
+def test_every_plan_has_rounds_and_only_an_unbudgeted_one_grows_or_keeps_its_shards(tmp_path):
+    """Without a budget a plan's rounds are its epochs, each over every train shard (in plan order), one more per
+    add_epoch (train.max_steps past train.epochs), and marking one trained records and deletes nothing; a
+    budgeted plan has exactly 02's rounds: more is one ConfigError line."""
+    layout = Layout.of(tmp_path / "run")
+    layout.hidden.mkdir(parents=True)
+    shards = [{**s, "lengths": [4, 6 + k]} for k, s in enumerate(plan_shards(4))]
+    plan = HiddenPlan({"shards": shards}, epochs=2)
+    train = ("shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors")
+    assert not plan.budgeted and [(r.number, r.epoch, r.shards) for r in plan.rounds] == [(0, 0, train), (1, 1, train)]
+    assert plan.add_epoch().shards == train and len(plan.rounds) == 3 and plan.describe_round(2) == "epoch 3"
+    assert plan.round_samples(1) == (["s0a", "s0b", "s1a", "s1b", "s2a", "s2b"], [4, 6, 4, 7, 4, 8])
+    assert plan.due_files(set()) == [s["file"] for s in shards]  # 02: everything, in plan order
+    for s in shards:
+        (layout.hidden / s["file"]).write_bytes(b"x")
+    mark_trained(layout, plan, {0, 1})
+    assert not layout.hidden_consumed.exists() and len(layout.shard_files()) == 4
+
+    budgeted = HiddenPlan({"shards": shards, "settings": {"epochs": 1}, "rounds": [
+        {"epoch": 0, "shards": list(train), "num_samples": 6, "num_tokens": 33, "bytes": 1}]})
+    assert budgeted.budgeted and len(budgeted.rounds) == 1
+    with pytest.raises(ConfigError, match=r"^one more epoch is more than the 1 rounds 02 planned for train.epochs=1; "
+                                          r"lower train.max_steps, or raise train.epochs and rerun 02_extract_hidden.py "
+                                          r"--overwrite \(it plans the rounds again\)$"):
+        budgeted.add_epoch()
 
 
 def test_consumed_rounds_are_recorded_then_their_shards_deleted(tmp_path):
