@@ -69,6 +69,7 @@ class TrainSource:
         self.data: Optional[TrainData] = None
         self.ledger: Optional[SampleLedger] = None
         self.reading: Optional[tuple[DataPosition, Iterator[MicroBatch]]] = None  # the open stream, at its next step
+        self._last_samples: tuple = (None, None)  # (a round's shards, their ids and lengths): round_samples
 
     # -- the plan and the schedule ---------------------------------------------------------
 
@@ -96,7 +97,12 @@ class TrainSource:
             self.plan.check_more_epochs(f"train.max_steps={t.max_steps} is more than the {planned} steps of")
 
     def round_samples(self, r: int) -> RoundSamples:
-        return RoundSamples(self.plan.rounds[r].epoch, *self.plan.round_samples(r))
+        """Round r's samples. Rounds on the same shards (an unbudgeted plan's epochs) share one pair of lists: the
+        ids and lengths of every train sample are held once, not once per epoch."""
+        shards = self.plan.rounds[r].shards
+        if self._last_samples[0] != shards:
+            self._last_samples = (shards, self.plan.round_samples(r))
+        return RoundSamples(self.plan.rounds[r].epoch, *self._last_samples[1])
 
     def reach(self, pos: DataPosition) -> None:
         """The rounds up to pos's (an unbudgeted plan past train.epochs: one more epoch each, HiddenPlan.add_epoch)."""
