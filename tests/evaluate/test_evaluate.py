@@ -353,10 +353,15 @@ def test_throughput_is_the_median_of_repeated_runs(run_env, capsys):
     assert report["counters"]["num_drafts"] == 10 * 4  # the first run's window only (FakeVllm: 10 drafts a request)
 
 
+NOISE = ": more than the acceptance length allows, so the timing is noise (a busy machine?): raise evaluate.throughput_repeats"
+
+
 @pytest.mark.parametrize("with_draft, without_draft, verdict, said", [
     ([60.0, 62.0, 70.0], [100.0, 98.0, 103.0], "slower", ": the draft slows serving"),
     ([220.0, 210.0, 230.0], [100.0, 98.0, 103.0], "faster", ""),
     ([90.0, 110.0, 100.0], [100.0, 95.0, 105.0], "within the runs' spread", ""),
+    ([310.0, 320.0, 330.0], [100.0, 98.0, 103.0], "faster", NOISE),  # 3.0x at the least, with acceptance length 2.5
+    ([240.0, 320.0, 330.0], [100.0, 98.0, 103.0], "faster", ""),  # the low end (2.33x) is possible
 ])
 def test_the_speedup_says_plainly_when_the_draft_slows_serving(with_draft, without_draft, verdict, said):
     from common.evaluate.report import set_summary, speedup
@@ -365,7 +370,7 @@ def test_the_speedup_says_plainly_when_the_draft_slows_serving(with_draft, witho
     assert part["verdict"] == verdict
     assert part["speedup"] == round(sorted(with_draft)[1] / sorted(without_draft)[1], 4)
     assert part["speedup_range"] == [round(min(with_draft) / max(without_draft), 4), round(max(with_draft) / min(without_draft), 4)]
-    line = set_summary({"acceptance_length": 2.0, "num_speculative_tokens": 3, "per_position_acceptance": [0.5, 0.3, 0.2],
+    line = set_summary({"acceptance_length": 2.5, "num_speculative_tokens": 3, "per_position_acceptance": [0.8, 0.5, 0.2],
                         "outputs": {"identical": 4, "compared": 4},
                         "throughput": {"with_draft": {"tokens_per_s_runs": with_draft},
                                        "without_draft": {"tokens_per_s_runs": without_draft}, **part}})
