@@ -283,10 +283,10 @@ def set_summary(part: dict) -> str:
         low, high = tp["speedup_range"]
         # An iteration with the draft costs at least a target step and yields acceptance_length tokens, so tokens/s
         # cannot gain more than that: a ratio above it, at the low end of the runs, is the machine's noise.
-        noise = low > part["acceptance_length"]
-        line += (f" | {tp['speedup']:.2f}x tokens/s ({low:.2f}-{high:.2f} over {runs}"
-                 f"{': the draft slows serving' if tp['verdict'] == 'slower' else ''}"
-                 f"{': more than the acceptance length allows, so the timing is noise (a busy machine?): raise evaluate.throughput_repeats' if noise else ''})")
+        note = (": the draft slows serving" if tp["verdict"] == "slower" else
+                ": more than the acceptance length allows, so the timing is noise (a busy machine?): raise "
+                "evaluate.throughput_repeats" if low > part["acceptance_length"] else "")
+        line += f" | {tp['speedup']:.2f}x tokens/s ({low:.2f}-{high:.2f} over {runs}{note})"
     o = part["outputs"]
     return line + f" | {o['identical']}/{o['compared']} outputs identical"
 
