@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -23,8 +24,11 @@ from typing import Annotated, Any, Callable, Literal, Optional
 
 import yaml
 
+from common.core import dtype_choice
 from common.core.errors import ConfigError
 from common.core.yaml_safe import read_yaml_file, yaml_value
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ ModelLen = Range(ge=1, le=2**26)  # tokens of one sequence
 Steps = Range(ge=1, le=10**12)  # optimizer steps, and intervals counted in them
 
 TorchDtype = Literal["bfloat16", "float16", "float32"]
+# a config's dtype: auto = bfloat16 on CUDA or a CPU with native bf16, float32 on other CPUs (common.core.dtype_choice)
+ConfigDtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 @dataclass
@@ -89,7 +95,7 @@ class TargetConfig:
     # null = vLLM's default (2, N//2, N-3).
     aux_layer_ids: Optional[list[int]] = None
     trust_remote_code: bool = False
-    dtype: TorchDtype = "bfloat16"  # dtype the target runs in during extraction
+    dtype: ConfigDtype = "auto"  # dtype the target runs in (02's extraction, 05's and 01b's vLLM)
     # How 02 places the target: auto | single (one GPU per process) | any transformers
     # device_map ("balanced", "sequential") to shard a target too big for one GPU.
     device_map: str = "auto"
@@ -146,7 +152,7 @@ class TokenizeConfig:
 
 @dataclass
 class ExtractConfig:
-    dtype: TorchDtype = "bfloat16"  # dtype the hidden states are captured in (and stored in, with storage "full")
+    dtype: ConfigDtype = "auto"  # dtype the hidden states are captured in (and stored in, with storage "full")
     # How the states are stored: "full" (extract.dtype) or "fp8" (e4m3 with a float32 scale per token per
     # tensor: ~half of bf16 on disk, decoded to the training dtype by 04; docs/design.md#fp8-hidden-states).
     storage: Literal["full", "fp8"] = "full"
@@ -519,7 +525,9 @@ def _resolve_paths(tree: dict, base: Path) -> None:
                 _resolve_path(sets, name, base)
 
 
-def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | None = None) -> Config:
+def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | None = None,
+                     resolve_dtypes: bool = True) -> Config:
+    """The checked Config of a YAML tree. With resolve_dtypes, `auto` dtypes become this machine's choice."""
     tree = dict(tree or {})
     tree = yaml.safe_load(yaml.safe_dump(tree))  # deep copy with plain types
     for text in overrides:
@@ -529,6 +537,8 @@ def config_from_dict(tree: dict, overrides: list[str] = (), base_dir: Path | Non
         _resolve_paths(tree, base_dir)
     cfg = _build(Config, tree, "")
     validate(cfg)
+    if resolve_dtypes:
+        dtype_choice.resolve_dtypes(cfg)
     return cfg
 
 
@@ -540,10 +550,14 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     if tree is not None and not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must contain a mapping of sections, got {type(tree).__name__}")
     # Overrides are resolved relative to the cwd, file values relative to the file.
-    cfg_file = config_from_dict(tree or {}, [], base_dir=path.resolve().parent)
-    if not overrides:
-        return cfg_file
-    return config_from_dict(cfg_file.to_dict(), overrides, base_dir=Path.cwd())
+    cfg = config_from_dict(tree or {}, [], base_dir=path.resolve().parent, resolve_dtypes=False)
+    if overrides:
+        cfg = config_from_dict(cfg.to_dict(), overrides, base_dir=Path.cwd(), resolve_dtypes=False)
+    # once per stage: the dtype auto chose here and why, or the warning for an emulated bf16 (rank 0 of a launch)
+    for level, line in dtype_choice.resolve_dtypes(cfg):
+        if int(os.environ.get("RANK", "0")) == 0:
+            getattr(logger, level)(line)
+    return cfg
 
 
 def _require(cond: bool, message: str) -> None:
