@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent
-STAGES = ["target", "01_prepare_data", "01b_generate_synthetic", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_evaluate"]
 
 
 class StageFailed(Exception):
@@ -518,14 +517,16 @@ class Pipeline:
 
     def run(self) -> str:
         """All stages in order; returns the summary title."""
-        steps = [
-            ("01_prepare_data", lambda: self.stage("01_prepare_data", "01_prepare_data.py")),
-            ("01b_generate_synthetic", self.generate),
-            ("02_extract_hidden", self.extract),
-            ("03_build_vocab_map", lambda: self.stage("03_build_vocab_map", "03_build_vocab_map.py")),
-            ("04_train", self.train),
-            ("05_evaluate", lambda: self.stage("05_evaluate", "05_evaluate.py")),
-        ]
+        from common.core.stage_lock import STAGE_READS
+
+        steps = {
+            "01_prepare_data": lambda: self.stage("01_prepare_data", "01_prepare_data.py"),
+            "01b_generate_synthetic": self.generate,
+            "02_extract_hidden": self.extract,
+            "03_build_vocab_map": lambda: self.stage("03_build_vocab_map", "03_build_vocab_map.py"),
+            "04_train": self.train,
+            "05_evaluate": lambda: self.stage("05_evaluate", "05_evaluate.py"),
+        }
         if self.cfg.extract.stream and self.args.stop_after in ("02_extract_hidden", "03_build_vocab_map"):
             from common.core.errors import PipelineError
 
@@ -533,8 +534,8 @@ class Pipeline:
                                 f"to train and free each round, so it cannot run alone; drop --stop-after, or set "
                                 f"extract.stream: false (02 and 04 then alternate)")
         self.target()
-        for name, step in steps:
-            step()
+        for name in STAGE_READS:  # the stage graph's order: every stage after those it reads
+            steps[name]()
             if self.args.stop_after == name:
                 return f"pipeline stopped after {name} (--stop-after)"
         return "pipeline complete"
@@ -551,6 +552,8 @@ class Pipeline:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.core.stage_lock import STAGE_READS
+
     parser = argparse.ArgumentParser(prog="run_pipeline.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the run's YAML config, e.g. configs/tiny.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -562,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="fetch and build this real target (common/demo/real_target.py) into target.model, and its "
                            "ShareGPT and MT-bench files into data.source and evaluate.prompt_sets.mt_bench, if not there yet")
     parser.add_argument("--server-url", help="use this running vLLM server of the target (http://host:port/v1) for 01b instead of starting one")
-    parser.add_argument("--stop-after", choices=STAGES[1:], help="stop after this stage")
+    parser.add_argument("--stop-after", choices=list(STAGE_READS), help="stop after this stage")
     args = parser.parse_args(argv)
 
     from common.core.config import load_config

@@ -9,9 +9,9 @@ A stage script is a thin wrapper:
 
 User errors (PipelineError) print one line and exit 2; Ctrl-C exits 130. Processes a stage starts
 (vLLM's engine, an api_server) are stopped when the stage dies, SIGKILL included (common.core.reaper). Each stage holds
-an exclusive lock on run_dir for its life (common.core.run_folder.stage_lock): a second copy on the
+an exclusive lock on run_dir for its life (common.core.stage_lock): a second copy on the
 same run_dir exits 2 naming the holder's pid, and so does --overwrite while a stage that reads this
-stage's outputs runs (run_folder.READS_FROM).
+stage's outputs runs (common.core.stage_lock.STAGE_READS).
 """
 
 from __future__ import annotations

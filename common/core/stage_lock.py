@@ -2,8 +2,11 @@
 
 `stage_lock`: an exclusive flock on run_dir/stages/<stage>.lock, held for the stage's life. The OS releases it
 when the process dies (SIGKILL included), so a lock is never stale; a second copy fails at once with the
-holder's pid. `lock_holder` probes another stage's lock; READS_FROM and the two refusals keep --overwrite
-from deleting what a running stage reads, and a reader from reading what a running stage writes.
+holder's pid. `lock_holder` probes another stage's lock. STAGE_READS is the stage graph, written once: what
+each stage reads of the others' outputs. --overwrite is refused along its edges while the reader runs (it would
+delete what a running stage reads); the other way along an edge, refuse_read_while_written keeps 05 from
+reading a draft that a running 04 writes, and 04 says that 02 is running when it finds hidden/ incomplete
+(common.train.source).
 """
 
 from __future__ import annotations
@@ -84,22 +87,35 @@ def lock_holder(run_dir: str | os.PathLike, stage: str) -> str | None:
         os.close(fd)
 
 
-# Which stages read which stages' outputs while they run (docs/design.md#run-folder). --overwrite
-# deletes a stage's outputs, so it is refused while a reader of them runs: a reader would go on with
-# files of two generations (02 --overwrite under a running 04 gave a draft labelled with the old aux ids).
-READS_FROM = {
-    "01b_generate_synthetic": ("01_prepare_data",),
-    "02_extract_hidden": ("01b_generate_synthetic",),
-    "03_build_vocab_map": ("01b_generate_synthetic",),
-    "04_train": ("02_extract_hidden", "03_build_vocab_map"),
-    "05_evaluate": ("01_prepare_data", "04_train"),
+# The stage graph, in run order (run_pipeline.py runs the stages in this order): for each stage, the earlier
+# stages whose outputs it reads while it runs, and which of them (Layout's names). --overwrite deletes a stage's
+# outputs, so it is refused while a reader of them runs: a reader would go on with files of two generations (02
+# --overwrite under a running 04 gave a draft labelled with the old aux ids; under a running 05, a report of a
+# draft whose aux ids hidden/index.json no longer holds). Not reads here: 01 reads data.source (outside the run
+# folder), and under a disk budget 02 follows 04's ledger (hidden/consumed.json): that is the rounds protocol,
+# and 04 --overwrite beside it has 02 extract the rounds again.
+STAGE_READS: dict[str, dict[str, tuple[str, ...]]] = {
+    "01_prepare_data": {},
+    "01b_generate_synthetic": {"01_prepare_data": ("prompts",)},
+    "02_extract_hidden": {"01b_generate_synthetic": ("train_jsonl", "eval_jsonl")},
+    "03_build_vocab_map": {"01b_generate_synthetic": ("train_jsonl",)},
+    "04_train": {"02_extract_hidden": ("hidden",), "03_build_vocab_map": ("vocab_map",)},
+    # the eval split and the train split it must not measure; the aux ids of this run's draft; the draft and
+    # the training curve of report.png
+    "05_evaluate": {"01_prepare_data": ("prompts",), "02_extract_hidden": ("hidden_index",),
+                    "04_train": ("final", "metrics")},
 }
+
+
+def readers_of(stage: str) -> list[str]:
+    """The stages that read `stage`'s outputs (STAGE_READS)."""
+    return [reader for reader, sources in STAGE_READS.items() if stage in sources]
 
 
 def refuse_overwrite_while_read(run_dir: str | os.PathLike, stage: str) -> None:
     """Raise StageBusy when a stage that reads `stage`'s outputs is running on run_dir."""
-    for reader, sources in READS_FROM.items():
-        holder = lock_holder(run_dir, reader) if stage in sources else None
+    for reader in readers_of(stage):
+        holder = lock_holder(run_dir, reader)
         if holder is not None:
             raise StageBusy(
                 f"{stage} --overwrite would delete what {reader} is reading: {reader} is running on "
@@ -110,7 +126,7 @@ def refuse_read_while_written(run_dir: str | os.PathLike, reader: str, writer: s
                               reads: Iterable[os.PathLike]) -> None:
     """Raise StageBusy when `reader` would read under `outputs` (the folder `writer` writes) while `writer` runs on
     run_dir: 05 measuring train/final while 04 runs, whose --overwrite deletes it and whose export replaces it.
-    The reader holds its own lock meanwhile, so a writer's --overwrite that starts later is refused (READS_FROM)."""
+    The reader holds its own lock meanwhile, so a writer's --overwrite that starts later is refused (STAGE_READS)."""
     # realpath, not resolve(): a symlink loop given as --draft is found unreadable later with one error line
     root = Path(os.path.realpath(outputs))
     inside = [Path(p) for p in reads if Path(os.path.realpath(p)).is_relative_to(root)]

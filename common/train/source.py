@@ -28,6 +28,7 @@ from common.core.distributed import DistEnv, barrier, on_rank0
 from common.core.errors import DataError
 from common.core.io import file_sha256, read_json
 from common.core.run_folder import Layout, read_manifest
+from common.core.stage_lock import StageBusy, lock_holder
 from common.hidden.index import INDEX_SHARD_FIELDS, mark_trained, read_consumed, read_entries
 from common.hidden.rounds import HiddenPlan, extracted
 from common.hidden.shards import HiddenIndex, verify_shard_files
@@ -59,17 +60,33 @@ class TrainSource:
                                layout.manifest("02_extract_hidden")], cfg.extract.stream_wait_minutes, say)
         if self.stream:
             self.wait_for_extraction()
-        for path in (layout.hidden_index, layout.hidden_plan):
-            if not path.is_file():
-                raise DataError(f"no hidden-state {path.stem} at {path}; run 02_extract_hidden.py first")
-        self.plan = HiddenPlan.read(layout.hidden_plan, epochs=cfg.train.epochs)
-        self.check_plan_is_02s()
-        self.files_loaded = self.first_files_on_disk()  # the shards self.index holds (all of them verified)
-        self.index = HiddenIndex.load(layout.hidden_index, self.files_loaded)
+        try:
+            for path in (layout.hidden_index, layout.hidden_plan):
+                if not path.is_file():
+                    raise DataError(f"no hidden-state {path.stem} at {path}; run 02_extract_hidden.py first")
+            self.plan = HiddenPlan.read(layout.hidden_plan, epochs=cfg.train.epochs)
+            self.check_plan_is_02s()
+            self.files_loaded = self.first_files_on_disk()  # the shards self.index holds (all of them verified)
+            self.index = HiddenIndex.load(layout.hidden_index, self.files_loaded)
+        except DataError as e:
+            if not self.stream:
+                self.refuse_while_02_writes(e)
+            raise
         self.data: Optional[TrainData] = None
         self.ledger: Optional[SampleLedger] = None
         self.reading: Optional[tuple[DataPosition, Iterator[MicroBatch]]] = None  # the open stream, at its next step
         self._last_samples: tuple = (None, None)  # (a round's shards, their ids and lengths): round_samples
+
+    def refuse_while_02_writes(self, problem: DataError) -> None:
+        """Not streaming, 04 started while 02 still writes hidden/: what 04 found missing is not written yet, and the
+        error's advice (run 02) is wrong. Say that 02 is running instead (streaming, 04 waits for 02's shards)."""
+        holder = lock_holder(self.cfg.run_dir, "02_extract_hidden")
+        if holder is not None:
+            found = str(problem).split("; ")[0]  # what is missing, without the advice to rerun 02
+            raise StageBusy(
+                f"hidden/ is not complete yet ({found}): 02_extract_hidden is running on {self.layout.run_dir} "
+                f"(pid {holder}); wait for it to finish, then rerun 04_train.py; or, to train while 02 extracts, run "
+                f"both with extract.stream: true and extract.max_disk_gb (README, \"Two GPU pools: streaming\")") from None
 
     # -- the plan and the schedule ---------------------------------------------------------
 
