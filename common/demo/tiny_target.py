@@ -29,7 +29,9 @@ because the dev machine was never idle. On a busy machine it uses 1 thread (see 
 deepseek_v3 trains DEEPSEEK_STEPS (300) steps: its MoE layers cost about 1.3 s/step on a busy core, so
 about 6.5 min (untrained, --no-train: about 3 s). `ensure_tiny_target` builds once into
 ${EAGLE3_CACHE:-~/.cache/eagle3-pipeline}/tiny-targets/<family>-<hash>/ and reuses it; the hash
-covers this file and chat_corpus.py (the corpus), so editing either triggers one rebuild.
+covers this file and chat_corpus.py (the corpus), so editing either triggers one rebuild. A manifest beside each
+cached build (common/demo/cache_manifest.py) records its files' sizes and sha256, and every use checks it: a
+damaged cached build is built (or copied) again.
 
 CLI:
     python -m common.demo.tiny_target --family llama --out DIR       # build into DIR
@@ -39,9 +41,10 @@ CLI:
 The default llama build (the demo's and the tests' target) is also shipped in the repository,
 data/tiny-targets/llama/ (5 MB): `ensure_tiny_target` copies it into the cache instead of training, so
 a newcomer's demo does not wait minutes for it. Its build.json records what it was built from (the
-sha256 of this file and chat_corpus.py, the parameters); an edit of either file leaves it unused (and
-tests/demo/test_tiny_target.py failing until `--ship` rewrites it). Library versions are recorded but
-not matched: a newer torch loads the same weights.
+sha256 of this file and chat_corpus.py, the parameters) and the size and sha256 of each of its files; an
+edit of either file leaves it unused (and tests/demo/test_tiny_target.py failing until `--ship` rewrites
+it). Each file is checked against build.json as it is copied: a damaged one is refused (restore it with
+git), never cached. Library versions are recorded but not matched: a newer torch loads the same weights.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 import tempfile
@@ -60,7 +64,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from common.core.errors import PipelineError, printable
 from common.demo import chat_corpus
+from common.demo.cache_manifest import file_record, forget, reusable, same_file, write_manifest
 from common.demo.chat_corpus import conversation_messages, make_conversation
 
 FAMILIES = ("llama", "qwen3", "deepseek_v3")
@@ -358,9 +364,27 @@ def shipped_build(family: str, train: bool | None = None, steps: int | None = No
     shipped = SHIPPED / family
     try:
         recorded = json.loads((shipped / "build.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        files = recorded.pop("files")
+        listed = all(isinstance(f["size"], int) and isinstance(f["sha256"], str) for f in files.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return shipped if recorded == build_recipe(family, train, steps, seed) else None
+    return shipped if listed and recorded == build_recipe(family, train, steps, seed) else None
+
+
+def copy_shipped(shipped: Path, dest: Path) -> None:
+    """Copy the files the shipped build's build.json lists into dest, each checked (the copy) against its recorded
+    size and sha256: a damaged file of the repository is refused, never cached, so restoring it is enough."""
+    files = json.loads((shipped / "build.json").read_text(encoding="utf-8"))["files"]
+    for name, recorded in sorted(files.items()):
+        src = shipped / name
+        if src.is_file():
+            shutil.copy2(src, dest / name)
+        wrong = same_file(dest / name, recorded)
+        if wrong is not None:
+            repo = shipped.parents[2]  # <repo>/data/tiny-targets/<family>
+            raise PipelineError(f"the shipped tiny target file {src} does not match its build.json ({wrong}); restore "
+                                f"it with `git -C {shlex.quote(str(repo))} checkout -- "
+                                f"{shlex.quote(src.relative_to(repo).as_posix())}` and rerun")
 
 
 @contextlib.contextmanager
@@ -378,28 +402,30 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def ensure_tiny_target(family: str = "llama", cache_root: str | os.PathLike | None = None, *, train: bool | None = None,
                        steps: int | None = None, seed: int = 0, progress: bool = True) -> Path:
-    """The cached tiny target of `family`, built on first use. Safe when processes race.
+    """The cached tiny target of `family`, built on first use, built again when a file of it is damaged. Safe when
+    processes race.
 
-    The build happens in a temp dir next to the final one, renamed into place when complete;
-    a lock file keeps a second process from building the same thing at the same time.
+    The build happens in a temp dir next to the final one, renamed into place when complete, then recorded
+    (its manifest); a lock file keeps a second process from building the same thing at the same time.
     """
     root = cache_root_dir(cache_root)
     key = build_key(family, train, steps, seed)
     final = root / key
-    if (final / "tiny_target_info.json").is_file():
+    if reusable(final, then="building it again"):
         return final
     with _file_lock(root / f".{key}.lock"):
-        if (final / "tiny_target_info.json").is_file():  # another process finished while we waited
+        if reusable(final, then=None):  # another process finished while we waited
             return final
         for stale in root.glob(f".tmp-{key}-*"):  # left by a build that crashed
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # incomplete (not made by this function): rebuild
+        forget(final)
+        if final.exists():  # incomplete (no manifest) or damaged: rebuild
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
         shipped = shipped_build(family, train, steps, seed)
         try:
             if shipped is not None:  # the same recipe, built once and kept in the repository
-                shutil.copytree(shipped, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("build.json"))
+                copy_shipped(shipped, tmp)
                 info = {"build_seconds": 0.0}
             else:
                 info = build_tiny_target(tmp, family=family, train=train, steps=steps, seed=seed, progress=progress)
@@ -408,7 +434,9 @@ def ensure_tiny_target(family: str = "llama", cache_root: str | os.PathLike | No
             except OSError:
                 if not (final / "tiny_target_info.json").is_file():
                     raise
-                # Someone without the lock (another filesystem) won the race: keep theirs.
+                # Someone without the lock (another filesystem) won the race: keep theirs (they record it).
+            else:
+                write_manifest(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     how = f"copied the shipped build {shipped}" if shipped is not None else f"built in {info['build_seconds']:.0f}s"
@@ -418,12 +446,14 @@ def ensure_tiny_target(family: str = "llama", cache_root: str | os.PathLike | No
 
 def ship(family: str) -> Path:
     """Write the default build of `family` (from the cache, built there if needed) to SHIPPED/<family>/ with the
-    recipe it was built from (build.json)."""
+    recipe it was built from and each file's size and sha256 (build.json)."""
     built = ensure_tiny_target(family)
     dest = SHIPPED / family
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(built, dest)
-    (dest / "build.json").write_text(json.dumps(build_recipe(family), indent=2) + "\n", encoding="utf-8")
+    files = {p.name: file_record(p) for p in sorted(dest.iterdir())}
+    (dest / "build.json").write_text(json.dumps(build_recipe(family) | {"files": files}, indent=2) + "\n",
+                                     encoding="utf-8")
     return dest
 
 
@@ -440,16 +470,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     train = False if args.no_train else None
-    if args.out:
-        info = build_tiny_target(args.out, family=args.family, train=train, steps=args.steps, seed=args.seed)
-        print(json.dumps(info))
-        return 0
-    if args.ship:
-        print(ship(args.family))
-        return 0
-    if not args.print_path:
+    if not (args.out or args.ship or args.print_path):
         parser.error("pass --out DIR, --print-path or --ship")
-    print(ensure_tiny_target(args.family, args.cache_root, train=train, steps=args.steps, seed=args.seed))
+    try:
+        if args.out:
+            print(json.dumps(build_tiny_target(args.out, family=args.family, train=train, steps=args.steps, seed=args.seed)))
+        elif args.ship:
+            print(ship(args.family))
+        else:
+            print(ensure_tiny_target(args.family, args.cache_root, train=train, steps=args.steps, seed=args.seed))
+    except PipelineError as e:  # a damaged file of the shipped build
+        print(f"error: {printable(str(e))}", file=sys.stderr)
+        return 2
     return 0
 
 

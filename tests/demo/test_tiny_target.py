@@ -212,7 +212,7 @@ def test_racing_processes_share_one_build(tmp_path):
     paths = [r[0].strip().splitlines()[-1] for r in results]
     assert paths[0] == paths[1]
     entries = sorted(p.name for p in (tmp_path / "tiny-targets").iterdir() if not p.name.endswith(".lock"))
-    assert entries == [Path(paths[0]).name]
+    assert entries == [Path(paths[0]).name, Path(paths[0]).name + ".manifest.json"]
     assert (Path(paths[0]) / "model.safetensors").is_file()
     built = [r[1] for r in results if "built" in r[1]]
     assert len(built) == 1  # the second process found the first one's build
