@@ -161,8 +161,8 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     # Complete only with no failures left: a rerun retries them (with a server).
     manifest.complete(result) if not still_failed else manifest.partial(result)
     copied = f" ({report.dataset_answers} with the dataset's answers)" if report.dataset_answers else ""
-    control = (f"; {tok.answers_with_control_text} dataset answers spell chat-template control tokens, tokenized as "
-               "plain text" if tok.answers_with_control_text else "")
+    control = (f"; {tok.answers_with_control_text} samples with chat-template control text in a dataset answer, "
+               "tokenized as plain text" if tok.answers_with_control_text else "")
     print(f"01b_generate_synthetic: {report.generation_line()}{report.num_done}/{len(prompts)} done{copied}, {len(still_failed)} failed"
           f"{failed_advice(layout, still_failed)}; "
           f"tokenized train {tok.train}, eval {tok.eval}, {tok.tokens} tokens ({tok.loss_tokens} with loss), "

@@ -176,7 +176,7 @@ def test_01b_writes_control_text_of_dataset_answers_as_plain_text_and_counts_it(
     assert samples["src-plain"] == {"id": "src-plain", **tokenize_conversation(tiny_tok, plain, 512)}
     tok = json.loads((run_dir / "data" / "generate_report.json").read_text())["tokenize"]
     assert tok["answers_with_control_text"] == 2 and tok["skipped"] == {} and tok["train"] == 3
-    assert "; 2 dataset answers spell chat-template control tokens, tokenized as plain text" in capsys.readouterr().out
+    assert "; 2 samples with chat-template control text in a dataset answer, tokenized as plain text" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- httpx's line per request
