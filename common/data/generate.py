@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Optional
 
 from common.core.config import Config
-from common.core.errors import PipelineError
+from common.core.errors import ConfigError, PipelineError
 from common.core.io import atomic_write_json
-from common.core.run_folder import Layout, StageManifest
+from common.core.run_folder import Layout, StageManifest, read_manifest
 from common.data.generate_files import copy_dataset_answers, finalize_failed, has_answers, load_done, load_prompts
 from common.data.generate_requests import RunSummary, answer_prompts
 from common.data.generate_server import ServerCheck, check_server
@@ -110,6 +110,7 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def _run_stage(cfg: Config, overwrite: bool) -> int:
     layout = Layout.of(cfg)
+    check_answers_source(cfg, layout)  # first: a refused run (--overwrite too) leaves every file as it was
     prompts, report = read_prompts(layout)
     # Before any request: the tokenizer loads (an error here costs seconds, not a generation run).
     tokenizer = load_target_tokenizer(cfg)
@@ -160,10 +161,12 @@ def _run_stage(cfg: Config, overwrite: bool) -> int:
     # Complete only with no failures left: a rerun retries them (with a server).
     manifest.complete(result) if not still_failed else manifest.partial(result)
     copied = f" ({report.dataset_answers} with the dataset's answers)" if report.dataset_answers else ""
+    control = (f"; {tok.answers_with_control_text} samples with chat-template control text in a dataset answer, "
+               "tokenized as plain text" if tok.answers_with_control_text else "")
     print(f"01b_generate_synthetic: {report.generation_line()}{report.num_done}/{len(prompts)} done{copied}, {len(still_failed)} failed"
           f"{failed_advice(layout, still_failed)}; "
           f"tokenized train {tok.train}, eval {tok.eval}, {tok.tokens} tokens ({tok.loss_tokens} with loss), "
-          f"{tok.truncated} truncated, skipped {tok.skipped or 0}")
+          f"{tok.truncated} truncated, skipped {tok.skipped or 0}{control}")
     return 0
 
 
@@ -178,6 +181,26 @@ def read_prompts(layout: Layout) -> tuple[list[dict], GenerateReport]:
         log.warning("%s: skipped %d prompt row(s) that stage 01 would drop (%s)", layout.prompts, sum(skipped.values()),
                     ", ".join(f"{k} {v}" for k, v in skipped.most_common()))
     return prompts, GenerateReport(num_prompts=len(prompts), duplicate_prompt_ids=dup_prompts, skipped_prompts=dict(skipped))
+
+
+# What prompts.jsonl holds for each data.answers of 01's (common.data.prepare).
+PROMPTS_HOLD = {"regenerate": "the user turns alone, no answers",
+                "dataset": "the source's answers",
+                "fill": "the source's answers where every kept user turn has one"}
+
+
+def check_answers_source(cfg: Config, layout: Layout) -> None:
+    """data.answers is the value 01 wrote prompts.jsonl with (its manifest's settings): prompts.jsonl holds the
+    source's answers or none, by that value, so another value here would keep the dataset's answers as if
+    regenerated, or ask a server for answers the prompts do not lack. Unchecked when 01 left no record (a
+    prompts.jsonl written by hand)."""
+    recorded = ((read_manifest(layout, "01_prepare_data") or {}).get("settings") or {}).get("data.answers")
+    if recorded is None or recorded == cfg.data.answers:
+        return
+    raise ConfigError(f"data.answers={cfg.data.answers}, but 01_prepare_data.py wrote {layout.prompts} with "
+                      f"data.answers={recorded} ({PROMPTS_HOLD.get(recorded, 'another selection')}); rerun "
+                      f"01_prepare_data.py --overwrite with data.answers={cfg.data.answers}, or set "
+                      f"data.answers={recorded}")
 
 
 def stage_outputs(layout: Layout) -> list[Path]:
@@ -208,6 +231,7 @@ def check_before_server(cfg: Config) -> str:
     """Every check of 01b that needs no server (run_pipeline.py runs it before it starts vLLM): the prompts
     read, the tokenizer loads, the token-id source works, some prompt fits the context. Returns a status line."""
     layout = Layout.of(cfg)
+    check_answers_source(cfg, layout)
     prompts, report = read_prompts(layout)
     tokenizer = load_target_tokenizer(cfg)
     if stage_manifest(cfg, layout, tokenizer).is_complete(stage_outputs(layout)):

@@ -131,6 +131,9 @@ class TokenizeCounts:
     eval: int
     truncated: int
     skipped: dict[str, int]  # samples left out, by reason (malformed, missing_token_ids, token_boundary_merge, ...)
+    # samples whose dataset answer spells the tokenizer's control tokens (pasted chat-template text: <|im_end|>,
+    # <think>, ...): written with that text as plain text, never as the tokens (a forged turn with loss 1)
+    answers_with_control_text: int
     tokens: int
     loss_tokens: int
     seconds: float
@@ -175,7 +178,8 @@ def tokenize_outputs(cfg: Config, layout: Layout, prompts: list[dict], done: dic
                                        cfg.tokenize.max_seq_len, cfg.tokenize.overlong, stats=stats)
         try:
             return tokenize_conversation(tokenizer, messages, cfg.tokenize.max_seq_len, cfg.tokenize.overlong,
-                                         stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats)
+                                         stop_ids=stop_ids, template_kwargs=template_kwargs, stats=stats,
+                                         literal_answers=row.get("answers") == "dataset")
         except TokenBoundaryError:  # this sample's text, not the template: skip it, counted
             stats["token_boundary_merge"] += 1
             return None
@@ -198,7 +202,8 @@ def tokenize_outputs(cfg: Config, layout: Layout, prompts: list[dict], done: dic
         train=kept["train"],
         eval=kept["eval"],
         truncated=stats.get("truncated", 0),
-        skipped={k: v for k, v in stats.items() if k not in ("kept", "truncated")},
+        skipped={k: v for k, v in stats.items() if k not in ("kept", "truncated", "answers_with_control_text")},
+        answers_with_control_text=stats.get("answers_with_control_text", 0),
         tokens=tokens,
         loss_tokens=loss_tokens,
         seconds=round(time.monotonic() - t0, 3),

@@ -19,7 +19,6 @@ The tests swap `target_server` and `_chat` for fakes: this module calls both by 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 import time
 from collections import Counter
@@ -200,8 +199,6 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
 def eval_client(cfg: Config, base_url: str):
     """A blocking client of common.serving.chat for evaluate.concurrency threads, with openai-python's
     2 retries (a timed measurement has no retry accounting of its own)."""
-    for name in ("httpx", "httpx2"):  # one INFO line per request otherwise
-        logging.getLogger(name).setLevel(logging.WARNING)
     return make_client(cfg.generate, base_url, connections=cfg.evaluate.concurrency, blocking=True, max_retries=2)
 
 

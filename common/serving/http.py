@@ -8,7 +8,7 @@ past it the call fails with httpx2's timeout errors (openai-python: APITimeoutEr
 server's does. Each attempt of a call that retries gets its own deadline.
 
 - `with_deadlines(client)`: an httpx2 Client or AsyncClient (common.serving.chat's OpenAI clients),
-  its calls given the deadline;
+  its calls given the deadline, and httpx's INFO line per request silenced (quiet_request_logs);
 - `http_get(url, timeout, api_key)`: one GET within `timeout` seconds in all -> (status, body text)
   (the vLLM server's readiness polls, /metrics).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import time
 from contextvars import ContextVar
 from typing import Optional
@@ -111,6 +112,13 @@ class _AsyncBackend(_Backend):
                                                                   socket_options), self._core, self._clock)
 
 
+def quiet_request_logs() -> None:
+    """httpx logs one INFO line per request (`HTTP Request: POST ...`): hundreds over 01b's and 05's progress.
+    Every client of the pipeline passes through with_deadlines, which calls this; warnings still show."""
+    for name in _PAIRS:  # the loggers are named after the packages
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def with_deadlines(client, clock=time.monotonic):
     """`client` (an httpx2 or httpx Client or AsyncClient, no connection made yet), every call it makes held
     to its deadline. httpx takes no network backend through its public API, so the one its transports'
@@ -122,6 +130,7 @@ def with_deadlines(client, clock=time.monotonic):
     if package is None:
         raise TypeError(f"with_deadlines takes an httpx2 or httpx client, not a {type(client).__qualname__}")
     httpx_mod, core = importlib.import_module(package), importlib.import_module(_PAIRS[package])
+    quiet_request_logs()
     is_async = isinstance(client, httpx_mod.AsyncClient)
     client.event_hooks["request"].append(functools.partial(_start_call_async if is_async else _start_call, clock=clock))
     for transport in (client._transport, *client._mounts.values()):

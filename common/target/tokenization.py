@@ -17,6 +17,12 @@ instead, and the first must be a token prefix of the second. Within the span, ev
 after the last stop token (eos / generation_config eos ids) is template text (Qwen's "\\n"
 after <|im_end|>) and gets 0.
 
+Text from a dataset (data.answers dataset | fill) is not the model's output: an answer that spells the
+tokenizer's control tokens (pasted chat-template text such as `<|im_end|>\\n<|im_start|>user`, or `<think>`)
+would otherwise become those tokens, a forged turn boundary with loss 1. With literal_answers such content
+is encoded as the plain text it is (the tokenizer's added tokens not recognised inside it), and counted.
+A generated answer keeps the default: a marker in the target's own output is the token it generated.
+
 `tokenize_server_ids` is the other source of samples (tokenize.token_ids_from=server): the
 exact ids vLLM reports for the last turn, prompt (loss 0) + completion (loss 1). It needs no
 template round trip, so it works for templates that rewrite what the model generated.
@@ -24,6 +30,7 @@ template round trip, so it works for templates that rewrite what the model gener
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -196,15 +203,20 @@ def tokenize_conversation(
     stop_ids: Optional[Iterable[int]] = None,
     template_kwargs: Optional[dict] = None,
     stats: Optional[Counter] = None,
+    literal_answers: bool = False,
 ) -> Optional[dict]:
     """Tokenize one conversation -> {"input_ids", "loss_mask"}, or None when it is skipped.
 
     overlong: "truncate" keeps the first max_seq_len tokens, "drop" skips the sample.
+    literal_answers: the assistant turns are a dataset's text, not the model's output: control text in their
+    content (the tokenizer's added tokens spelled out) is encoded as plain text, and the sample is counted
+    in `stats` under answers_with_control_text.
     Raises DataError when the template cannot reproduce the turns, TokenBoundaryError (a
     DataError) when a token straddles a reply's start or end.
     Skips (None) are counted in `stats` (a Counter) under a reason key:
     empty_assistant (an assistant turn with neither content nor reasoning), no_assistant,
-    dropped_overlong, no_loss_tokens (nothing left to learn after truncation).
+    dropped_overlong, no_loss_tokens (nothing left to learn after truncation), control_text_not_plain
+    (literal_answers, and the tokenizer still makes control tokens of the control text).
     """
     stats = stats if stats is not None else Counter()
     if overlong not in ("truncate", "drop"):
@@ -218,10 +230,17 @@ def tokenize_conversation(
         return None
 
     text, spans = assistant_char_spans(tokenizer, messages, template_kwargs)
-    if getattr(tokenizer, "is_fast", False):
-        input_ids, token_spans = _token_spans_from_offsets(tokenizer, text, spans)
-    else:
-        input_ids, token_spans = _token_spans_from_prefixes(tokenizer, text, spans)
+    literal = control_text_ranges(tokenizer, text, spans, assistants) if literal_answers else []
+    try:
+        if getattr(tokenizer, "is_fast", False):
+            input_ids, token_spans = _token_spans_from_offsets(tokenizer, text, spans, literal)
+        else:
+            input_ids, token_spans = _token_spans_from_prefixes(tokenizer, text, spans, literal)
+    except _ControlTokensInPlainText:
+        stats["control_text_not_plain"] += 1
+        return None
+    if literal:
+        stats["answers_with_control_text"] += 1
     stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
 
     loss_mask = [0] * len(input_ids)
@@ -235,14 +254,82 @@ def tokenize_conversation(
     return _fit(input_ids, loss_mask, max_seq_len, overlong, stats)
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def control_markers(tokenizer) -> dict[str, int]:
+    """The texts the tokenizer turns into one of its control tokens wherever they stand ({text: id}): its added
+    tokens (chat markers, <think>, ...) and its special tokens."""
+    markers = dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+    markers.update(tokenizer.get_added_vocab())
+    return {text: i for text, i in markers.items() if text}
 
 
-def _token_spans_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+def control_text_ranges(tokenizer, text: str, spans: list[tuple[int, int]], assistants: list[dict]) -> list[tuple[int, int]]:
+    """The char ranges of the rendered `text` holding an assistant turn's content that spells a control token
+    (spans: assistant_char_spans', one per message of `assistants`)."""
+    markers = control_markers(tokenizer)
+    ranges = []
+    for (start, end), m in zip(spans, assistants):
+        content = m.get("content") or ""
+        if any(marker in content for marker in markers):
+            at = text.rfind(content, start, end)  # there: assistant_char_spans checked it
+            ranges.append((at, at + len(content)))
+    return ranges
+
+
+class _ControlTokensInPlainText(Exception):
+    """A tokenizer that makes control tokens even of text it was asked to encode as plain text."""
+
+
+@functools.lru_cache(maxsize=4)
+def _without_added_tokens(tokenizer):
+    """The fast tokenizer's backend without its added tokens: `<|im_end|>` or `<think>` in a text is then the
+    plain text it spells (split_special_tokens would still make <think>, an added token that is not special)."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _encode_piece(tokenizer, piece: str, plain: bool, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """One piece of text -> (ids, char offsets, or [] when not asked); plain: control text as plain text."""
+    if plain and getattr(tokenizer, "is_fast", False):
+        enc = _without_added_tokens(tokenizer).encode(piece, add_special_tokens=False)
+        ids, spans = list(enc.ids), list(enc.offsets)
+    else:
+        kwargs = {"split_special_tokens": True} if plain else {}
+        enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=offsets, **kwargs)
+        ids, spans = list(enc["input_ids"]), list(enc["offset_mapping"]) if offsets else []
+    if plain and not set(ids).isdisjoint(control_markers(tokenizer).values()):
+        raise _ControlTokensInPlainText
+    return ids, spans
+
+
+def _encode_with_offsets(tokenizer, text: str, literal: list[tuple[int, int]] = (), offsets: bool = True
+                         ) -> tuple[list[int], list[tuple[int, int]]]:
+    """text -> (ids, char offsets) as the tokenizer encodes it, except that control text inside the `literal`
+    char ranges is plain text. Each literal range is encoded on its own (no token crosses its edges); without
+    any, the text is encoded whole, as always."""
+    ids, spans, at = [], [], 0
+    for start, end in [*literal, (len(text), len(text))]:
+        for a, b, plain in ((at, start, False), (start, end, True)):
+            if a < b:
+                piece_ids, piece_spans = _encode_piece(tokenizer, text[a:b], plain, offsets)
+                ids += piece_ids
+                spans += [(s + a, e + a) for s, e in piece_spans]
+        at = end
+    return ids, spans
+
+
+def _encode(tokenizer, text: str, literal: list[tuple[int, int]] = ()) -> list[int]:
+    """text -> ids (control text inside the `literal` char ranges as plain text); the ranges may end past text."""
+    return _encode_with_offsets(tokenizer, text, [(s, min(e, len(text))) for s, e in literal if s < len(text)],
+                                offsets=False)[0]
+
+
+def _token_spans_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]], literal: list[tuple[int, int]] = ()
+                              ) -> tuple[list[int], list[list[int]]]:
     """Fast tokenizer: the tokens that begin inside each assistant char span."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
+    input_ids, offsets = _encode_with_offsets(tokenizer, text, literal)
     for i, (start, end) in enumerate(spans):
         if any(s < edge < e for s, e in offsets for edge in (start, end)):
             raise TokenBoundaryError(
@@ -251,16 +338,17 @@ def _token_spans_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]]
                 "cannot be located; set tokenize.token_ids_from=server to take token ids from vLLM instead"
             )
     token_spans = [[t for t, (s, e) in enumerate(offsets) if start <= s < end and e > s] for start, end in spans]
-    return list(enc["input_ids"]), token_spans
+    return input_ids, token_spans
 
 
-def _token_spans_from_prefixes(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+def _token_spans_from_prefixes(tokenizer, text: str, spans: list[tuple[int, int]], literal: list[tuple[int, int]] = ()
+                               ) -> tuple[list[int], list[list[int]]]:
     """Slow tokenizer (no offsets): tokenize the text up to each span's start and end; both must
     be token prefixes of the full tokenization, and the span is the tokens between them."""
-    input_ids = _encode(tokenizer, text)
+    input_ids = _encode(tokenizer, text, literal)
     token_spans = []
     for i, (start, end) in enumerate(spans):
-        before, through = _encode(tokenizer, text[:start]), _encode(tokenizer, text[:end])
+        before, through = _encode(tokenizer, text[:start], literal), _encode(tokenizer, text[:end], literal)
         if through[: len(before)] != before or input_ids[: len(through)] != through:
             raise TokenBoundaryError(
                 f"the target tokenizer is not a fast tokenizer (no offset mappings), and the tokens of the conversation "
