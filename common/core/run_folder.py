@@ -39,8 +39,9 @@ from common.core.io import atomic_write_json, file_sha256
 STAGES_DIR = "stages"
 # The form of every stage's outputs, recorded in each stage manifest. A run folder of another version is refused
 # with one line (StageManifest.check_version) and made again, not read through compatibility code: raise it when
-# any stage's outputs change form (2: rounds in every hidden plan, hidden format 3, checkpoints' "round").
-RUN_FOLDER_VERSION = 2
+# any stage's outputs change form (2: rounds in every hidden plan, hidden format 3, checkpoints' "round"; 3: 04 records
+# hidden/index.json by its content without the target's path, 01b encodes control text in dataset answers as plain text).
+RUN_FOLDER_VERSION = 3
 HASH_CACHE = "hashes.json"
 # The prompt sets 05 measures: held-out prompts of the training distribution (eval/outputs.jsonl,
 # eval/baseline.json), evaluate.other_prompts ("other") and evaluate.prompt_sets (files suffixed -NAME).

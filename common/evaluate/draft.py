@@ -22,7 +22,9 @@ from typing import Optional
 from common.core.config import Config
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import file_sha256, read_json
+from common.core.json_fields import INTEGER, NUMBER, NUMBERS, OBJECT, check_fields, or_null
 from common.core.run_folder import PREDICTION_JSON, Layout, content_fingerprint
+from common.hidden.shards import check_index_fields
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,11 @@ def run_aux_layer_ids(cfg: Config) -> tuple[Optional[list[int]], str]:
     index = Layout.of(cfg).hidden_index
     if index.is_file():
         doc = read_json(index)
+        if isinstance(doc, dict):
+            check_index_fields(doc, index)  # aux_layer_ids of another type is one error line
         ids = doc.get("aux_layer_ids") if isinstance(doc, dict) else None
         if isinstance(ids, list):
-            return [int(i) for i in ids], str(index)
+            return list(ids), str(index)
     if cfg.target.aux_layer_ids:
         return list(cfg.target.aux_layer_ids), "target.aux_layer_ids"
     return None, ""
@@ -143,11 +147,30 @@ def offline_prediction(cfg: Config, draft: Path) -> Offline:
     except (DataError, OSError) as e:  # OSError: a symlink loop, a directory or no permission there
         return Offline(missing=f"cannot read 04's prediction {path} ({e}); re-export the draft (rerun 04_train.py)")
     if isinstance(record, dict) and isinstance(record.get("eval"), dict):
+        check_prediction_fields(record["eval"], path)
         return Offline(prediction=offline_report(cfg, record["eval"], path, draft))
     if isinstance(record, dict) and isinstance(record.get("missing"), str):  # 04 had no eval at the export's step
         return Offline(missing=f"{record['missing']} ({path})")
     return Offline(missing=f"{path} holds neither 04's eval nor why there is none (an object with \"eval\" or "
                            f"\"missing\"); re-export the draft (rerun 04_train.py)")
+
+
+# The JSON types of the fields of prediction.json's "eval" (04's eval line) that offline_report computes with, by k
+# for tau and replay (null: none, as offline_report reads it).
+PREDICTION_FIELDS = {"step": or_null(INTEGER), "step_acc": or_null(NUMBERS), "tau": or_null(OBJECT), "replay": or_null(OBJECT)}
+REPLAY_FIELDS = {"acceptance_length": NUMBER, "per_position": NUMBERS, "rounds": INTEGER}
+
+
+def check_prediction_fields(rep: dict, path: Path) -> None:
+    """One DataError line naming the field unless 04's eval in prediction.json has its fields' types (an edited
+    file would otherwise stop 05 with a traceback, or after vLLM measured), before vLLM starts."""
+    fix = f"re-export the draft (rerun 04_train.py), or delete {path} to measure the draft without 04's prediction"
+    check_fields(rep, PREDICTION_FIELDS, path, fix, where="eval.")
+    tau, replays = rep.get("tau") or {}, rep.get("replay") or {}
+    check_fields(tau, dict.fromkeys(tau, NUMBER), path, fix, where="eval.tau.")
+    check_fields(replays, dict.fromkeys(replays, OBJECT), path, fix, where="eval.replay.")
+    for k, replay in replays.items():
+        check_fields(replay, REPLAY_FIELDS, path, fix, where=f"eval.replay.{k}.", required=REPLAY_FIELDS)
 
 
 def offline_report(cfg: Config, rep: dict, path: Path, draft: Path) -> dict:

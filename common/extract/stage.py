@@ -243,12 +243,12 @@ def prepare(cfg, info, layout: Layout, fresh: HiddenPlan | None = None) -> Due:
     header = plan_header(cfg, layout, plan)
     if header.get("target_weights") and existing.get("target_weights") == header["target_weights"]:
         # The same weights at another path are the same target: index.json keeps the path it names, so moving the
-        # target rewrites nothing (04 fingerprints index.json, and under rounds its header).
+        # target rewrites nothing (04 keys on index.json's content without that path: index_fingerprint).
         header["target_model"] = existing.get("target_model")
     due = survey(cfg, layout, plan, header)
     index = due.index()
     if due.nothing_due:
-        if existing != index:  # a no-op rerun rewrites nothing: 04 fingerprints index.json
+        if existing != index:  # a no-op rerun rewrites nothing
             write_index(layout, index)
         drop_fragments(layout)
         return due

@@ -16,7 +16,7 @@ What is here:
   count against it; plan.json, common.extract.planning's, is written in it too) and bookkeeping_bytes;
 - index.json's contents: shard_entry, index_header, build_index, INDEX_SHARD_FIELDS;
 - reading it: read_index (the file as it is), read_entries (the entries recorded so far: index.json and, for
-  02, the rank fragments);
+  02, the rank fragments), index_fingerprint (what 04 keys its outputs on: the content, not the target's path);
 - writing it: write_index, record_entries (after each shard: this rank's fragment, rank 0's index.json),
   merge_index (rank 0 after a barrier), drop_fragments;
 - consumed.json: read_consumed, write_consumed, mark_trained.
@@ -26,6 +26,7 @@ are common.hidden.rounds'. Every file here is written atomically (common.core.io
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from common.core.errors import DataError
 from common.core.io import atomic_write_text
-from common.hidden.shards import FORMAT_VERSION, SPLITS, bytes_per_token, check_format_version, storage_of
+from common.hidden.shards import FORMAT_VERSION, SPLITS, bytes_per_token, check_format_version, check_index_fields, storage_of
 
 if TYPE_CHECKING:
     from common.core.distributed import DistEnv
@@ -134,12 +135,37 @@ def build_index(header: dict, plan_shards: list[dict], entries: dict[str, dict])
 
 def read_index(layout: "Layout") -> dict:
     """index.json as it is on disk; {} when there is none or it is unreadable (02's survey verifies its shards
-    again)."""
+    again). A field of another type is a DataError (check_index_fields)."""
     try:
         doc = json.loads(layout.hidden_index.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return doc if isinstance(doc, dict) else {}
+    if not isinstance(doc, dict):
+        return {}
+    check_index_fields(doc, layout.hidden_index)
+    return doc
+
+
+def index_fingerprint(layout: "Layout", header_only: bool = False) -> str | None:
+    """index.json by the content 04's outputs depend on (sha256): the shards (their sha256, samples, token
+    counts), the aux layers, dtype, storage and the target by its weights' fingerprint (target_weights), not the
+    path target_model names, which it keeps for the reader. A run folder moved, whose index.json 02 rebuilt
+    (byte-identical shards, the target's new path), is the same input. header_only: the fields before the shard
+    list (under a disk budget 02 adds each round's shards to the rest). None when there is no index.json; an
+    unreadable one has a fingerprint of its own."""
+    try:
+        text = layout.hidden_index.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        place = ("target_model",) if doc.get("target_weights") else ()  # without weights (a hub id) it is the identity
+        skip = (*place, *INDEX_SHARD_FIELDS) if header_only else place
+        doc = {k: v for k, v in doc.items() if k not in skip}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def read_entries(layout: "Layout", fragments: bool = True) -> dict[str, dict]:
@@ -148,7 +174,8 @@ def read_entries(layout: "Layout", fragments: bool = True) -> dict[str, dict]:
     fragments=False: index.json's alone. 04 reads that: HiddenIndex.load loads what index.json lists, and a
     shard another rank has recorded in its fragment is not there until rank 0 merges it.
     An unreadable file is skipped with a warning (its shards get verified again or recomputed); an
-    index.json in a format this code does not read is a DataError (check_format_version)."""
+    index.json in a format this code does not read, or a file with a field of another type, is a DataError
+    (check_format_version, check_index_fields)."""
     entries: dict[str, dict] = {}
     index_path = layout.hidden_index
     for src in [index_path, *(layout.index_fragments() if fragments else ())]:
@@ -161,6 +188,10 @@ def read_entries(layout: "Layout", fragments: bool = True) -> dict[str, dict]:
             continue
         if src == index_path:
             check_format_version(doc, src)
+        if not isinstance(doc, dict):
+            raise DataError(f"{src} holds a JSON {type(doc).__name__}, not an object; delete it (02_extract_hidden.py "
+                            f"rebuilds it from the shards)")
+        check_index_fields(doc, src)
         for e in doc.get("shards", []):
             entries[e["file"]] = e
     return entries

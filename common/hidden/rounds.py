@@ -32,10 +32,32 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from common.core.errors import ConfigError
 from common.core.io import read_json
+from common.core.json_fields import INTEGER, INTEGERS, OBJECT, OBJECTS, STRING, STRINGS, check_fields
 from common.hidden.shards import check_format_version
 
 if TYPE_CHECKING:
     from common.core.run_folder import Layout
+
+
+# The JSON types of plan.json's fields that 02 and 04 read: its planned shards and rounds, which 02 writes whole.
+PLAN_FIELDS = {"settings": OBJECT, "shards": OBJECTS, "rounds": OBJECTS, "max_disk_bytes": INTEGER, "eval_bytes": INTEGER,
+               "reserve_bytes": INTEGER}
+PLAN_SHARD_FIELDS = {"file": STRING, "split": STRING, "num_samples": INTEGER, "num_tokens": INTEGER,
+                     "sample_ids": STRINGS, "lengths": INTEGERS}
+PLAN_ROUND_FIELDS = {"epoch": INTEGER, "shards": STRINGS, "num_samples": INTEGER, "num_tokens": INTEGER, "bytes": INTEGER}
+
+
+def check_plan_fields(doc: dict, path: Path) -> None:
+    """A one-line DataError naming the field unless plan.json has its fields' types (an edited file would otherwise
+    stop 02 or 04 with a TypeError)."""
+    fix = (f"restore the plan 02 made, or rerun 02_extract_hidden.py with --overwrite to plan again (it deletes what "
+           f"{path.parent} holds)")
+    check_fields(doc, PLAN_FIELDS, path, fix, required=["shards"])
+    for i, shard in enumerate(doc["shards"]):
+        check_fields(shard, PLAN_SHARD_FIELDS, path, fix, where=f"shards[{i}].",
+                     required=["file", "split", "num_samples", "num_tokens", "sample_ids"])
+    for i, rd in enumerate(doc.get("rounds", [])):
+        check_fields(rd, PLAN_ROUND_FIELDS, path, fix, where=f"rounds[{i}].", required=PLAN_ROUND_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,7 @@ class HiddenPlan:
             return None
         doc = read_json(path)
         check_format_version(doc, path)
+        check_plan_fields(doc, path)
         plan = cls(doc, epochs or 1)
         planned = plan.settings.get("epochs")
         if epochs is not None and plan.budgeted and planned != epochs:

@@ -20,7 +20,8 @@ paths from common.core.run_folder.Layout, this module takes paths. Under run_dir
 
 What is here:
 - names and arithmetic: FORMAT_VERSION (written), READ_VERSIONS (read), SPLITS, TENSORS, STORAGES,
-  bytes_per_token, describe_bytes_per_token, storage_of, check_format_version (index.json's and plan.json's);
+  bytes_per_token, describe_bytes_per_token, storage_of, check_format_version (index.json's and plan.json's),
+  check_index_fields (index.json's and its rank fragments' field types);
 - the fp8 codec: fp8_encode, fp8_decode;
 - writing: write_shard (atomic, hashed while written by the streaming write_safetensors); its index entry,
   index.json, the rank fragments and hidden/'s compact JSON are common.hidden.index';
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from common.core.errors import DataError, PipelineError
 from common.core.io import atomic_path, file_sha256, read_json
+from common.core.json_fields import BOOLEAN, INTEGER, INTEGERS, OBJECTS, STRING, STRINGS, check_fields
 
 if TYPE_CHECKING:  # torch is imported only when shards are written or read (02's --help stays fast)
     import numpy as np
@@ -111,6 +113,24 @@ def check_format_version(doc: dict, path: Path) -> None:
             f"{path} was made by {made_by} (hidden-state format_version {json.dumps(found)}, this code reads "
             f"format_version {FORMAT_VERSION}): rerun 02_extract_hidden.py with --overwrite to rewrite the hidden states"
         )
+
+
+# The JSON types of index.json's fields that 02 and 04 read (absent ones are the readers' business), and of every
+# shard entry, which 02 always writes whole.
+INDEX_FIELDS = {"complete": BOOLEAN, "storage": STRING, "dtype": STRING, "aux_layer_ids": INTEGERS,
+                "target_hidden_size": INTEGER, "target_model": STRING, "target_weights": STRING, "shards": OBJECTS}
+INDEX_ENTRY_FIELDS = {"file": STRING, "split": STRING, "num_samples": INTEGER, "num_tokens": INTEGER, "sha256": STRING,
+                      "bytes": INTEGER, "num_loss_tokens": INTEGER, "sample_ids": STRINGS}
+
+
+def check_index_fields(doc: dict, path: Path) -> None:
+    """A one-line DataError naming the field unless index.json (or a rank fragment) has its fields' types: an
+    edited file would otherwise stop 02 or 04 with a TypeError. Deleting it loses nothing: 02 rebuilds it from
+    the shards on disk (verified against plan.json)."""
+    fix = f"delete {path} (02_extract_hidden.py rebuilds it from the shards) or rerun 02_extract_hidden.py with --overwrite"
+    check_fields(doc, INDEX_FIELDS, path, fix)
+    for i, entry in enumerate(doc.get("shards", [])):
+        check_fields(entry, INDEX_ENTRY_FIELDS, path, fix, where=f"shards[{i}].", required=INDEX_ENTRY_FIELDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +345,7 @@ class HiddenIndex:
             raise DataError(f"no hidden-state index at {index_path}; run 02_extract_hidden.py first")
         raw = read_json(index_path)
         check_format_version(raw, index_path)
+        check_index_fields(raw, index_path)
         if files is None and not raw.get("complete", False):
             raise DataError(f"{index_path} says the extraction is incomplete (complete=false); {RERUN_02}")
         for key in ("aux_layer_ids", "target_hidden_size", "shards"):

@@ -16,6 +16,7 @@ import torch
 from common.core.distributed import DistEnv, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout, StageManifest
+from common.hidden.index import index_fingerprint
 from common.hidden.shards import HiddenIndex
 from common.model.draft import family_of_config
 from common.target.loading import check_safetensors_readable, target_fingerprint
@@ -75,11 +76,13 @@ def run_fingerprint(draft_cfg, data_identity: list, d2t: torch.Tensor, t, init) 
 
 def train_manifest(layout: Layout, budgeted: bool, target_id: str, draft_cfg, t, init) -> StageManifest:
     """04's record: its inputs by content (under a disk budget the plan, since index.json grows with every round 02
-    extracts) and the settings its outputs depend on."""
+    extracts; else index.json's content, not the target path it names: index_fingerprint) and the settings its
+    outputs depend on."""
+    hidden = ({layout.name(layout.hidden_plan): layout.hidden_plan} if budgeted else
+              {layout.name(layout.hidden_index): index_fingerprint(layout)})
     return StageManifest(
         layout, "04_train",
-        inputs={**layout.named(layout.hidden_plan if budgeted else layout.hidden_index, layout.vocab_map),
-                **({"train.init_from": init.fingerprint} if init else {})},
+        inputs={**hidden, **layout.named(layout.vocab_map), **({"train.init_from": init.fingerprint} if init else {})},
         settings={"target": target_id, "draft": draft_identity(draft_cfg), "batch_max_tokens": t.batch_max_tokens,
                   "seed": t.seed, **({"init_vocab": init.mode} if init else {})})
 

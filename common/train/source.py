@@ -18,7 +18,6 @@ the round being trained (and the eval shards); next_batch swaps it when a round 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from common.core.errors import DataError
 from common.core.io import file_sha256, read_json
 from common.core.run_folder import Layout, read_manifest
 from common.core.stage_lock import StageBusy, lock_holder
-from common.hidden.index import INDEX_SHARD_FIELDS, mark_trained, read_consumed, read_entries
+from common.hidden.index import index_fingerprint, mark_trained, read_consumed, read_entries
 from common.hidden.rounds import HiddenPlan, extracted
 from common.hidden.shards import HiddenIndex, verify_shard_files
 from common.hidden.stream import StreamWait
@@ -296,31 +295,23 @@ class TrainSource:
     # -- inputs changed under a running 04 -------------------------------------------------
 
     def inputs_identity(self) -> dict[str, Optional[str]]:
-        """04's inputs by content, as far as they may change under a running 04: index.json (under a disk budget:
-        plan.json and index.json's header, since 02 adds each round's shards to the rest) and the vocab map;
-        None for a file that is gone. Small files, read whole: no cache to fool."""
+        """04's inputs by content, as far as they may change under a running 04: index.json (index_fingerprint; under
+        a disk budget plan.json and index.json's header, since 02 adds each round's shards to the rest) and the vocab
+        map; None for a file that is gone. Small files, read whole: no cache to fool."""
         layout = self.layout
 
-        def sha(data: Optional[bytes]) -> Optional[str]:
-            return None if data is None else hashlib.sha256(data).hexdigest()
-
-        def read(path) -> Optional[bytes]:
+        def sha(path) -> Optional[str]:
             try:
-                return path.read_bytes()
+                return hashlib.sha256(path.read_bytes()).hexdigest()
             except FileNotFoundError:
                 return None
 
-        ident = {layout.name(layout.vocab_map): sha(read(layout.vocab_map))}
-        index = read(layout.hidden_index)
+        ident = {layout.name(layout.vocab_map): sha(layout.vocab_map)}
         if not self.plan.budgeted:  # nothing may change in hidden/ while 04 trains
-            ident[layout.name(layout.hidden_index)] = sha(index)
+            ident[layout.name(layout.hidden_index)] = index_fingerprint(layout)
             return ident
-        ident[layout.name(layout.hidden_plan)] = sha(read(layout.hidden_plan))
-        try:
-            header = {k: v for k, v in json.loads(index).items() if k not in INDEX_SHARD_FIELDS}
-        except (TypeError, ValueError, AttributeError):
-            header = None  # gone or unreadable: a change
-        ident[f"{layout.name(layout.hidden_index)} (its header)"] = sha(json.dumps(header, sort_keys=True).encode())
+        ident[layout.name(layout.hidden_plan)] = sha(layout.hidden_plan)
+        ident[f"{layout.name(layout.hidden_index)} (its header)"] = index_fingerprint(layout, header_only=True)
         return ident
 
     def remember_inputs(self) -> None:

@@ -37,9 +37,9 @@ def test_04_changed_vocab_or_hidden_is_an_error_not_a_stale_final(tmp_path, hidd
                "vocab/vocab_map.safetensors changed", "--overwrite")
     assert run_stage("04_train.py", cfg, "--set", "vocab.draft_vocab_size=64", "--overwrite").returncode == 0
     assert load_file(str(run_dir / "train" / "final" / "model.safetensors"))["d2t"].numel() == 64
-    # hidden/ re-extracted (a new index.json): the same
+    # hidden/ re-extracted (a new index.json: here from the target in bf16): the same
     index = json.loads((run_dir / "hidden" / "index.json").read_text())
-    (run_dir / "hidden" / "index.json").write_text(json.dumps({**index, "target_model": "re-extracted"}))
+    (run_dir / "hidden" / "index.json").write_text(json.dumps({**index, "target_dtype": "bfloat16"}))
     error_line(run_stage("04_train.py", cfg, "--set", "vocab.draft_vocab_size=64"), "hidden/index.json changed", "--overwrite")
 
 
