@@ -223,8 +223,9 @@ def test_an_unknown_architecture_is_one_error_line(tmp_path):
     raw = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**raw, "architectures": ["DeepseekV3ForCausalLMEagle3"]}))
     want = (f"{out / 'config.json'} names the draft architecture 'DeepseekV3ForCausalLMEagle3', which this pipeline does "
-            f"not know (known: Eagle3LlamaForCausalLM, Eagle3Speculator, LlamaForCausalLMEagle3); use a draft of a known "
-            f"architecture, or register its family (common/model/draft/registry.py)")
+            f"not know (known: Eagle3DeepseekV2ForCausalLM, Eagle3DeepseekV3ForCausalLM, Eagle3LlamaForCausalLM, "
+            f"Eagle3Speculator, LlamaForCausalLMEagle3); use a draft of a known architecture, or register its family "
+            f"(common/model/draft/registry.py)")
     for read in (load_exported_draft, read_draft_config,
                  lambda path: draft_family_for(run_config(tmp_path / "run", train={"init_from": str(path)}))):
         with pytest.raises(ConfigError) as e:
@@ -235,6 +236,6 @@ def test_an_unknown_architecture_is_one_error_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         draft_family_for(run_config(tmp_path / "run", draft={"architecture": "LlamaForCausalLMEagle4"}))
     assert str(e.value) == ("config key 'draft.architecture' names the draft architecture 'LlamaForCausalLMEagle4', which "
-                            "this pipeline does not know (known: Eagle3LlamaForCausalLM, Eagle3Speculator, "
-                            "LlamaForCausalLMEagle3); set draft.architecture to one of them, or register its family "
-                            "(common/model/draft/registry.py)")
+                            "this pipeline does not know (known: Eagle3DeepseekV2ForCausalLM, Eagle3DeepseekV3ForCausalLM, "
+                            "Eagle3LlamaForCausalLM, Eagle3Speculator, LlamaForCausalLMEagle3); set draft.architecture to one "
+                            "of them, or register its family (common/model/draft/registry.py)")

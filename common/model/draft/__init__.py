@@ -4,6 +4,8 @@
     layout.py        PackedLayout: where each token of a packed row sits
     attention.py     the TTT attention: chunked (exact, hand-written backward), flex, naive (the reference)
     llama_eagle3.py  the Llama EAGLE-3 modules and the TTT forward pass (Eagle3DraftModel), and its family
+    deepseek_eagle3.py  the MLA EAGLE-3 draft (vLLM's Eagle3DeepseekV2ForCausalLM): the Llama draft with DeepSeek's
+                     multi-head latent attention, and its family
     registry.py      the draft families (DraftFamily): each architecture's config and model classes, its tensor
                      names in vLLM's formats, its sizes for the planners; family_of* find a draft's family
 
@@ -14,11 +16,12 @@ from common.model.draft.attention import ATTENTION_BACKENDS, ATTN_SCORES_BYTES, 
 from common.model.draft.config import OFFICIAL_ARCHITECTURE, DraftModelConfig, build_draft_config, draft_rope_scaling
 from common.model.draft.layout import PackedLayout, squeeze_row
 from common.model.draft.llama_eagle3 import LLAMA_EAGLE3_FAMILY, Eagle3DraftModel
+from common.model.draft.deepseek_eagle3 import DEEPSEEK_EAGLE3_FAMILY
 from common.model.draft.registry import (DEFAULT_ARCHITECTURE, DRAFT_FAMILIES, DraftFamily, StateDictAdapter, family_of,
                                          family_of_config, family_of_model, known_architectures, register, unregister)
 
-__all__ = ["ATTENTION_BACKENDS", "ATTN_SCORES_BYTES", "DEFAULT_ARCHITECTURE", "DEFAULT_ATTN_CHUNK", "DRAFT_FAMILIES",
-           "AttentionMeta", "DraftFamily", "DraftModelConfig", "Eagle3DraftModel", "LLAMA_EAGLE3_FAMILY",
+__all__ = ["ATTENTION_BACKENDS", "ATTN_SCORES_BYTES", "DEEPSEEK_EAGLE3_FAMILY", "DEFAULT_ARCHITECTURE", "DEFAULT_ATTN_CHUNK",
+           "DRAFT_FAMILIES", "AttentionMeta", "DraftFamily", "DraftModelConfig", "Eagle3DraftModel", "LLAMA_EAGLE3_FAMILY",
            "OFFICIAL_ARCHITECTURE", "PackedLayout", "StateDictAdapter", "build_draft_config", "choose_attention",
            "draft_rope_scaling", "family_of", "family_of_config", "family_of_model", "known_architectures", "register",
            "squeeze_row", "unregister"]

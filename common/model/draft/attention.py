@@ -12,12 +12,14 @@ Backends (train.attention_impl), AttentionBackend objects in ATTENTION_BACKENDS,
     count, compiled on CUDA (no CPU backward). 04's "auto" picks it on a GPU where a start-up self-check
     against "chunked" passes (FlexAttention.self_check).
   - "naive": the reference: the full (steps*T) x (steps*T) mask, plain softmax attention.
+
+Every backend takes q and k of one head width and v of another (MLA: q/k heads of qk_nope + qk_rope, v heads of
+v_head_dim), and the softmax scale of AttentionMeta.scale (None: 1/sqrt(q's head width)).
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +41,11 @@ class AttentionMeta:
     impl: str = "chunked"
     block_masks: dict = field(default_factory=dict)  # flex: one block mask per number of steps
     pairs_budget: int = 1 << 22  # query-key pairs per chunk batch (its fp32 scores: heads x pairs x 4 B)
+    scale: float | None = None  # the softmax scale of q.k; None: 1/sqrt(q's head width) (MLA's yarn scales it)
     _plan: "ChunkPlan | None" = None
+
+    def softmax_scale(self, q: torch.Tensor) -> float:
+        return q.shape[-1] ** -0.5 if self.scale is None else self.scale
 
     def chunk_plan(self, device) -> "ChunkPlan":
         if self._plan is None:
@@ -137,20 +143,21 @@ class TTTAttention(torch.autograd.Function):
     per chunk batch, whatever the step. Scores, softmax and the probabilities' gradients are fp32; the
     matmuls run in the inputs' dtype (bf16 on GPU).
 
-    apply(plan, q, k_0, v_0, k_1..k_i, v_1..v_i): q [T, nh, d]; k_j/v_j [T, nkv, d] (step j's keys after
-    RoPE); a query at row t sees the step-0 keys of its sample up to t, and k_1..k_i at row t only.
+    apply(plan, scale, q, k_0, v_0, k_1..k_i, v_1..v_i): q [T, nh, d]; k_j [T, nkv, d] (step j's keys after
+    RoPE), v_j [T, nkv, dv] (dv may differ from d: MLA); scale multiplies q.k; a query at row t sees the step-0
+    keys of its sample up to t, and k_1..k_i at row t only.
     """
 
     @staticmethod
-    def forward(ctx, plan: "ChunkPlan", q, k0, v0, *diag):
+    def forward(ctx, plan: "ChunkPlan", scale: float, q, k0, v0, *diag):
         outs, lses = [], []
         with torch.autocast(q.device.type, enabled=False):  # the dtypes are chosen here (autocast skips backward)
             for cb in plan.batches:
-                out, lse = _attend_forward(cb, q, k0, v0, diag)
+                out, lse = _attend_forward(cb, q, k0, v0, diag, scale)
                 outs.append(out)
                 lses.append(lse)
         out = plan.to_rows(torch.cat(outs) if len(outs) > 1 else outs[0])
-        ctx.plan = plan
+        ctx.plan, ctx.scale = plan, scale
         ctx.save_for_backward(q, k0, v0, out, *lses, *diag)
         return out
 
@@ -166,12 +173,12 @@ class TTTAttention(torch.autograd.Function):
         # summed in fp32 (a key row is seen by several chunks of a long sample), returned in the inputs' dtype
         acc = _wide(q[:0]).dtype
         dq, dk0, dv0 = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k0, v0))
-        # the diag keys' and values' gradients of every earlier step at once: [T, nkv, i, d] each
+        # the diag keys' and values' gradients of every earlier step at once: [T, nkv, i, d] and [T, nkv, i, dv]
         T, nkv, d = k0.shape
-        d_diag = [torch.zeros(T, nkv, n_diag, d, dtype=acc, device=k0.device) for _ in range(2)] if n_diag else []
+        d_diag = [torch.zeros(T, nkv, n_diag, x.shape[-1], dtype=acc, device=x.device) for x in (k0, v0)] if n_diag else []
         for cb, lse in zip(plan.batches, lses):
-            _attend_backward(cb, q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag)
-        return (None, _as(dq, q.dtype), _as(dk0, k0.dtype), _as(dv0, v0.dtype),
+            _attend_backward(cb, q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag, ctx.scale)
+        return (None, None, _as(dq, q.dtype), _as(dk0, k0.dtype), _as(dv0, v0.dtype),
                 *[_as(g, k0.dtype) for d_ in d_diag for g in d_.unbind(2)])
 
 
@@ -192,28 +199,27 @@ def _to_rows(x: torch.Tensor, n: int, nkv: int, rows: int) -> torch.Tensor:
 
 
 def _batch_inputs(cb: "ChunkBatch", q, k0, v0, diag):
-    """The chunk batch's queries [n*nkv, C*g, d], keys and values [n*nkv, S, d] (one matrix per chunk and kv
-    head; query rows ordered (c, g)), and the diag keys [n*nkv*C, d, i] and values [n*nkv*C, i, d] at the
-    queries' rows (wide: fp32)."""
+    """The chunk batch's queries [n*nkv, C*g, d], keys [n*nkv, S, d] and values [n*nkv, S, dv] (one matrix per
+    chunk and kv head; query rows ordered (c, g)), and the diag keys [n*nkv*C, i, d] and values [n*nkv*C, i, dv]
+    at the queries' rows (wide: fp32)."""
     n, C, S = cb.shape
-    nkv, d = k0.shape[1], k0.shape[2]
+    nkv, d, dv = k0.shape[1], k0.shape[2], v0.shape[2]
     qh = _by_kv_head(cb.rows(q, cb.queries).view(n * C, nkv, -1, d), n, C, nkv)
     kh = _by_kv_head(cb.rows(k0, cb.keys).view(n * S, nkv, 1, d), n, S, nkv)
-    vh = _by_kv_head(cb.rows(v0, cb.keys).view(n * S, nkv, 1, d), n, S, nkv)
+    vh = _by_kv_head(cb.rows(v0, cb.keys).view(n * S, nkv, 1, dv), n, S, nkv)
     n_diag = len(diag) // 2
     kd = vd = None
     if n_diag:
         kd = _wide(_by_kv_head(cb.rows(torch.stack(diag[:n_diag], dim=2), cb.queries), n, C, nkv)).reshape(-1, n_diag, d)
-        vd = _wide(_by_kv_head(cb.rows(torch.stack(diag[n_diag:], dim=2), cb.queries), n, C, nkv)).reshape(-1, n_diag, d)
+        vd = _wide(_by_kv_head(cb.rows(torch.stack(diag[n_diag:], dim=2), cb.queries), n, C, nkv)).reshape(-1, n_diag, dv)
     return qh, kh, vh, kd, vd
 
 
-def _probabilities(cb: "ChunkBatch", qh, kh, kd, lse=None):
+def _probabilities(cb: "ChunkBatch", qh, kh, kd, scale: float, lse=None):
     """Softmax probabilities of the chunk batch over its step-0 keys [n*nkv, C*g, S] and its diag keys
     [n*nkv*C, g, i] (None without), and the log-sum-exp [n*nkv, C*g] (given in backward: from forward)."""
     n, C, S = cb.shape
     B, Cg, d = qh.shape
-    scale = d**-0.5
     scores = _wide(torch.bmm(qh, kh.transpose(1, 2)))  # [B, C*g, S]
     scores.view(n, B // n, C, Cg // C, S).mul_(scale).masked_fill_(cb.blocked5, float("-inf"))
     diag_scores = None
@@ -228,46 +234,45 @@ def _probabilities(cb: "ChunkBatch", qh, kh, kd, lse=None):
     return p, p_diag, lse
 
 
-def _attend_forward(cb: "ChunkBatch", q, k0, v0, diag):
+def _attend_forward(cb: "ChunkBatch", q, k0, v0, diag, scale: float):
     n, C, _ = cb.shape
-    nkv = k0.shape[1]
+    nkv, dv = k0.shape[1], v0.shape[2]
     qh, kh, vh, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
-    B, Cg, d = qh.shape
-    p, p_diag, lse = _probabilities(cb, qh, kh, kd)
-    out = _wide(torch.bmm(_as(p, vh.dtype), vh))  # [B, C*g, d]
+    B, Cg, _ = qh.shape
+    p, p_diag, lse = _probabilities(cb, qh, kh, kd, scale)
+    out = _wide(torch.bmm(_as(p, vh.dtype), vh))  # [B, C*g, dv]
     if p_diag is not None:
-        out.view(B * C, Cg // C, d).baddbmm_(p_diag, vd)
-    return _as(_to_rows(out, n, nkv, C).reshape(n * C, -1, d), q.dtype), lse
+        out.view(B * C, Cg // C, dv).baddbmm_(p_diag, vd)
+    return _as(_to_rows(out, n, nkv, C).reshape(n * C, -1, dv), q.dtype), lse
 
 
-def _attend_backward(cb: "ChunkBatch", q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag):
-    """Adds the chunk batch's gradients into dq, dk0, dv0 and d_diag ([T, nkv, i, d]; index_add: key rows repeat
+def _attend_backward(cb: "ChunkBatch", q, k0, v0, diag, lse, grad_out, delta, dq, dk0, dv0, d_diag, scale: float):
+    """Adds the chunk batch's gradients into dq, dk0, dv0 and d_diag ([T, nkv, i, d] and [T, nkv, i, dv]; index_add: key rows repeat
     across chunks). FlashAttention's algebra: dV = P^T dO; dS = P * (dO V^T - D) * scale; dQ = dS K; dK = dS^T Q
     (the g query heads of a kv head are rows of one matrix: their dK and dV sum in the matmul)."""
     n, C, S = cb.shape
-    nkv = k0.shape[1]
+    nkv, dv = k0.shape[1], v0.shape[2]
     qh, kh, vh, kd, vd = _batch_inputs(cb, q, k0, v0, diag)
     B, Cg, d = qh.shape
-    scale = d**-0.5
-    p, p_diag, _ = _probabilities(cb, qh, kh, kd, lse)
+    p, p_diag, _ = _probabilities(cb, qh, kh, kd, scale, lse)
     do, dlt = cb.rows(grad_out, cb.queries), cb.rows(delta, cb.queries)
     if cb.query_weight is not None:  # the last chunk's padding repeats a real row: its gradient must not count
         do = do * _as(cb.query_weight, do.dtype)[:, None, None]
         dlt = dlt * cb.query_weight[:, None]
-    do_h = _by_kv_head(do.view(n * C, nkv, -1, d), n, C, nkv)  # [B, C*g, d]
+    do_h = _by_kv_head(do.view(n * C, nkv, -1, dv), n, C, nkv)  # [B, C*g, dv]
     dlt = _by_kv_head(dlt.view(n * C, nkv, -1, 1), n, C, nkv).view(B, Cg, 1)
-    dv_h = torch.bmm(_as(p, do_h.dtype).transpose(1, 2), do_h)  # [B, S, d]
+    dv_h = torch.bmm(_as(p, do_h.dtype).transpose(1, 2), do_h)  # [B, S, dv]
     ds = _wide(torch.bmm(do_h, vh.transpose(1, 2))).sub_(dlt).mul_(p).mul_(scale)  # [B, C*g, S]
     ds = _as(ds, q.dtype)
     dq_h = _wide(torch.bmm(ds, kh))  # [B, C*g, d]
     dk_h = torch.bmm(ds.transpose(1, 2), qh)  # [B, S, d]
     if p_diag is not None:
-        do_d = _wide(do_h).view(B * C, Cg // C, d)
+        do_d = _wide(do_h).view(B * C, Cg // C, dv)
         ds_diag = torch.bmm(do_d, vd.transpose(1, 2)).sub_(dlt.view(B * C, Cg // C, 1)).mul_(p_diag).mul_(scale)
         dq_h.view(B * C, Cg // C, d).baddbmm_(ds_diag, kd)
         i = kd.shape[1]
         dkd = torch.bmm(ds_diag.transpose(1, 2), _wide(qh).view(B * C, Cg // C, d)).view(B, C * i, d)
-        dvd = torch.bmm(p_diag.transpose(1, 2), do_d).view(B, C * i, d)
+        dvd = torch.bmm(p_diag.transpose(1, 2), do_d).view(B, C * i, dv)
         cb.add_rows(d_diag[0], cb.queries, _to_rows(dkd, n, nkv, C))
         cb.add_rows(d_diag[1], cb.queries, _to_rows(dvd, n, nkv, C))
     cb.add_rows(dq, cb.queries, _to_rows(dq_h, n, nkv, C))
@@ -276,8 +281,8 @@ def _attend_backward(cb: "ChunkBatch", q, k0, v0, diag, lse, grad_out, delta, dq
 
 
 def chunked_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:
-    """q [T, nh, d] of step i = len(ks) - 1; ks/vs: per-step keys/values [T, nkv, d] (after RoPE)."""
-    return TTTAttention.apply(meta.chunk_plan(q.device), q, ks[0], vs[0], *ks[1:], *vs[1:])
+    """q [T, nh, d] of step i = len(ks) - 1; ks/vs: per-step keys [T, nkv, d] (after RoPE) and values [T, nkv, dv]."""
+    return TTTAttention.apply(meta.chunk_plan(q.device), meta.softmax_scale(q), q, ks[0], vs[0], *ks[1:], *vs[1:])
 
 
 def build_ttt_mask(seq_lens, steps: int, device=None) -> torch.Tensor:
@@ -300,8 +305,11 @@ def build_ttt_mask(seq_lens, steps: int, device=None) -> torch.Tensor:
 
 
 def naive_ttt_attention(q, ks, vs, meta_or_seq_lens) -> torch.Tensor:
-    """Reference: plain softmax attention of step i's queries over all steps' keys with the full mask."""
-    seq_lens = meta_or_seq_lens.layout.seq_lens if isinstance(meta_or_seq_lens, AttentionMeta) else meta_or_seq_lens
+    """Reference: plain softmax attention of step i's queries over all steps' keys with the full mask (the scale:
+    the meta's, or 1/sqrt(d) given seq_lens)."""
+    meta = meta_or_seq_lens if isinstance(meta_or_seq_lens, AttentionMeta) else None
+    seq_lens = meta.layout.seq_lens if meta else meta_or_seq_lens
+    scale = meta.softmax_scale(q) if meta else q.shape[-1] ** -0.5
     T, nh, d = q.shape
     step = len(ks) - 1
     mask = build_ttt_mask(seq_lens, step + 1, device=q.device)[step * T:(step + 1) * T]  # rows of step i
@@ -310,7 +318,7 @@ def naive_ttt_attention(q, ks, vs, meta_or_seq_lens) -> torch.Tensor:
     g = nh // k.shape[1]
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
-    scores = torch.einsum("thd,shd->hts", _wide(q), _wide(k)) / math.sqrt(d)
+    scores = torch.einsum("thd,shd->hts", _wide(q), _wide(k)) * scale
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.einsum("hts,shd->thd", p, _wide(v)).to(q.dtype)
 
@@ -338,7 +346,8 @@ def flex_ttt_attention(q, ks, vs, meta: AttentionMeta) -> torch.Tensor:
         meta.block_masks[n_steps] = create_block_mask(mask_mod, None, None, T, n_steps * T, device=q.device)
     k = torch.cat(ks, dim=0).transpose(0, 1).unsqueeze(0)
     v = torch.cat(vs, dim=0).transpose(0, 1).unsqueeze(0)
-    out = _FLEX(q.transpose(0, 1).unsqueeze(0), k, v, block_mask=meta.block_masks[n_steps], enable_gqa=True)
+    out = _FLEX(q.transpose(0, 1).unsqueeze(0), k, v, block_mask=meta.block_masks[n_steps], scale=meta.softmax_scale(q),
+                enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

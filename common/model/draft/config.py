@@ -112,6 +112,11 @@ class DraftModelConfig:
     def from_vllm_config(cls, d: dict) -> "DraftModelConfig":
         """Inverse of `to_vllm_config`; also reads speculators-format configs and
         transformers-5 `rope_parameters`."""
+        return cls(**cls.fields_from_vllm_config(d))
+
+    @classmethod
+    def fields_from_vllm_config(cls, d: dict) -> dict:
+        """The constructor's keywords read from a config.json (a subclass adds its own keys to them)."""
         d = dict(d)
         top = d
         if "transformer_layer_config" in d:  # speculators format
@@ -131,7 +136,7 @@ class DraftModelConfig:
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
-        return cls(
+        return dict(
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
             num_attention_heads=heads,

@@ -61,6 +61,8 @@ class RotaryEmbedding(nn.Module):
     inv_freq is a plain fp32 attribute, not a buffer, so `model.to(bfloat16)` cannot round it.
     """
 
+    softmax_scale = None  # the attention's scale stays 1/sqrt(head_dim)
+
     def __init__(self, config: DraftModelConfig):
         super().__init__()
         self.inv_freq, self.attention_scaling = _rope_parameters(config)
@@ -105,7 +107,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """The attention's projections (state-dict names self_attn.{q,k,v,o}_proj); DecoderLayer runs them."""
+    """The attention's projections (state-dict names self_attn.{q,k,v,o}_proj): forward gives q, k, v; the TTT
+    attention and o_proj run in DecoderLayer."""
 
     def __init__(self, config: DraftModelConfig, input_size: int):
         super().__init__()
@@ -116,6 +119,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        """x [T, in] -> q [T, nh, d], k and v [T, nkv, d], RoPE on q and k."""
+        T = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -131,14 +141,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Layer 0 (`first=True`) reads [embedding, hidden] (2H wide); later layers are plain Llama layers."""
+    """Layer 0 (`first=True`) reads [embedding, hidden] (2H wide); later layers are plain Llama layers.
+    `attention_class` builds the projections from (config, input width); pre_attention runs them."""
+
+    attention_class = Attention
 
     def __init__(self, config: DraftModelConfig, first: bool):
         super().__init__()
         self.first = first
         self.norm_before_residual = config.norm_before_residual
         H = config.hidden_size
-        self.self_attn = Attention(config, 2 * H if first else H)
+        self.self_attn = self.attention_class(config, 2 * H if first else H)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
@@ -154,7 +167,7 @@ class DecoderLayer(nn.Module):
     # the micro-batch's chunk plan or block mask, which change with every micro-batch).
 
     def pre_attention(self, hidden, embeds, cos, sin):
-        """Norms, q/k/v projections and RoPE: (q [T, nh, d], k, v [T, nkv, d], the residual)."""
+        """Norms, then the attention's projections and RoPE: (q, k, v, the residual)."""
         if self.first:
             normed_hidden = self.hidden_norm(hidden)
             residual = normed_hidden if self.norm_before_residual else hidden
@@ -162,11 +175,7 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden
             x = self.input_layernorm(hidden)
-        a, T = self.self_attn, x.shape[0]
-        q = apply_rope(a.q_proj(x).view(T, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rope(a.k_proj(x).view(T, a.num_kv_heads, a.head_dim), cos, sin)
-        v = a.v_proj(x).view(T, a.num_kv_heads, a.head_dim)
-        return q, k, v, residual
+        return (*self.self_attn(x, cos, sin), residual)
 
     def post_attention(self, attn, residual):
         """o_proj, the residual, the MLP: the layer's output h [T, H]."""
@@ -182,7 +191,11 @@ class DecoderLayer(nn.Module):
 class Eagle3DraftModel(nn.Module):
     """The Llama EAGLE-3 draft. `attention` names the TTT attention backend (ATTENTION_BACKENDS; 04 picks it with
     choose_attention), `attn_chunk_size` the queries per chunk of the chunked one (a sample longer than this is
-    cut), `gradient_checkpointing` recomputes each (TTT step, layer) call in the backward."""
+    cut), `gradient_checkpointing` recomputes each (TTT step, layer) call in the backward. A family that changes
+    only the layer or the rotary subclasses it and names its own `layer_class` / `rotary_class`."""
+
+    layer_class = DecoderLayer  # (config, first=) -> a layer with forward(hidden, embeds, cos, sin, cache_k, cache_v, meta)
+    rotary_class = RotaryEmbedding  # (config) -> positions -> (cos, sin); its softmax_scale: the attention's (None: 1/sqrt(d))
 
     def __init__(self, config: DraftModelConfig, *, attention: str = "chunked", attn_chunk_size: int = DEFAULT_ATTN_CHUNK,
                  gradient_checkpointing: bool = False):
@@ -195,13 +208,13 @@ class Eagle3DraftModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(config.num_aux * config.target_hidden_size, H, bias=False)
-        self.midlayer = DecoderLayer(config, first=True)
+        self.midlayer = self.layer_class(config, first=True)
         # Extra layers keep vLLM's indices (layers.1, layers.2, ...): a ModuleDict with string keys.
-        self.layers = nn.ModuleDict({str(k): DecoderLayer(config, first=False)
+        self.layers = nn.ModuleDict({str(k): self.layer_class(config, first=False)
                                      for k in range(1, config.num_hidden_layers)})
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = self.rotary_class(config)
         # Default vocab map: draft index i = target id i (identity on the first V_d ids).
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -294,7 +307,8 @@ class Eagle3DraftModel(nn.Module):
                             f"({position_ids.shape[0]}) must have the same length")
         layout = PackedLayout.build(seq_lens, T, input_ids.device)
         meta = AttentionMeta(layout, chunk_size=self.attn_chunk_size, impl=self.attention_impl,
-                             pairs_budget=ATTN_SCORES_BYTES // (4 * self.config.num_attention_heads))
+                             pairs_budget=ATTN_SCORES_BYTES // (4 * self.config.num_attention_heads),
+                             scale=self.rotary.softmax_scale)
         layers = self.decoder_layers
         caches = [([], []) for _ in layers]
         hidden = self.combine_aux(aux_hidden)
