@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import logging
 import math
 import os
 import re
@@ -27,8 +26,6 @@ import yaml
 from common.core import dtype_choice
 from common.core.errors import ConfigError
 from common.core.yaml_safe import read_yaml_file, yaml_value
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -553,10 +550,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     cfg = config_from_dict(tree or {}, [], base_dir=path.resolve().parent, resolve_dtypes=False)
     if overrides:
         cfg = config_from_dict(cfg.to_dict(), overrides, base_dir=Path.cwd(), resolve_dtypes=False)
-    # once per stage: the dtype auto chose here and why, or the warning for an emulated bf16 (rank 0 of a launch)
-    for level, line in dtype_choice.resolve_dtypes(cfg):
-        if int(os.environ.get("RANK", "0")) == 0:
-            getattr(logger, level)(line)
+    # the dtype auto chose here and why (or the warning for an emulated bf16), said where the target runs
+    dtype_choice.remember(dtype_choice.resolve_dtypes(cfg))
     return cfg
 
 

@@ -6,17 +6,20 @@ with native bf16 instructions (x86 avx512_bf16 or AMX, Arm's bf16 extension): wi
 37.7 in float32, and the SmolLM2 route's 02 at 15 tok/s against ~250). So auto = bfloat16 on CUDA or on a CPU with
 native bf16, float32 on any other CPU. An explicit bfloat16 is kept, with a warning where it is emulated.
 
-The choice is made once, when a stage loads its config (common.core.config.load_config), and the resolved value is
-what every stage records and compares: a run folder extracted in one dtype is never resumed in another.
+The choice is made when a stage loads its config (common.core.config.load_config), and the resolved value is what
+every stage records and compares: a run folder extracted in one dtype is never resumed in another. It is said where
+the target runs (02's extractor, the vLLM server of 01b and 05: `announce`), once per process.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 AUTO = "auto"
+_unsaid: list[tuple[str, str]] = []  # what load_config's choice has to say, until announce() says it
 # the measured slowdown of emulated bf16, quoted in the warning (see the docstring)
 EMULATED_BF16_SLOWDOWN = "~60x"
 
@@ -92,3 +95,19 @@ def resolve_dtypes(cfg, machine: Machine | None = None) -> list[tuple[str, str]]
                                      f"{EMULATED_BF16_SLOWDOWN} slower than float32; kept as asked. Set {key}: auto "
                                      f"(float32 here) unless this run must match a bf16 one"))
     return lines
+
+
+def remember(lines: list[tuple[str, str]]) -> None:
+    """Keep load_config's lines for announce() (a stage that never runs the target says nothing)."""
+    _unsaid[:] = lines
+
+
+def announce() -> None:
+    """Print the dtype choice of this process's config, once, where the target is about to run: the choice on
+    stdout with the stage's progress, a warning on stderr."""
+    for level, line in _unsaid:
+        if level == "warning":
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+        else:
+            print(line, flush=True)
+    _unsaid.clear()

@@ -181,8 +181,10 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
     training features in, unless server.extra_args already sets --dtype; on CPU a float32 MLA
     target gets the attention backend that runs it (cpu_attention_backend).
     """
+    from common.core import dtype_choice
     from common.serving.vllm_server import VllmServer, cpu_attention_backend
 
+    dtype_choice.announce()  # target.dtype: what auto chose here, and why (01b's server in run_pipeline, 05's)
     extra = list(cfg.server.extra_args)
     given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in extra)  # noqa: E731
     if not given("--dtype"):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from common.core import dtype_choice
 from common.core.io import format_bytes
 from common.core.run_folder import Layout, remember_fingerprint
 from common.extract.scan import read_shard_samples
@@ -79,6 +80,7 @@ def open_extractor(cfg, info, layout: Layout, env: DistEnv, out_dtype):
     if env.is_main:
         print(f"02_extract_hidden: extract.backend {backend}" + (f" (TP {cfg.extract.tensor_parallel_size}, DP {env.world_size}, "
               f"expert parallel {cfg.extract.enable_expert_parallel})" if backend == "vllm" else ""), flush=True)
+        dtype_choice.announce()  # target.dtype / extract.dtype: what auto chose here, and why
     if backend == "hf":
         return HfExtractor(cfg, info, env, out_dtype)
     return VllmExtractor(cfg, info, out_dtype, layout.vllm_requests(env.rank), dp_rank=env.rank, dp_size=env.world_size)

@@ -1,6 +1,5 @@
 """dtype auto: bfloat16 on CUDA or a CPU with native bf16, float32 on any other CPU (issue 42, item 2)."""
 
-import logging
 from unittest import mock
 
 import pytest
@@ -57,21 +56,34 @@ def test_an_explicit_bf16_on_a_cpu_without_it_is_kept_with_the_slowdown():
         assert [line for line in resolve_dtypes(cfg, machine) if line[1].startswith("target")] == []
 
 
-def test_load_config_resolves_auto_on_a_cpu_without_bf16_and_says_so_once(tmp_path, caplog):
-    """The capability injected where the stages read it (/proc/cpuinfo's flags), through the loader every stage uses."""
-    path = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run")})
+def test_load_config_resolves_auto_on_a_cpu_without_bf16_and_says_so_once(tmp_path, capsys):
+    """The capability injected where the stages read it (/proc/cpuinfo's flags), through the loader every stage uses;
+    the choice is said once, where the target runs (announce: 02's extractor, the vLLM server of 01b and 05)."""
+    path = write_yaml(tmp_path / "run.yaml", {"run_dir": str(tmp_path / "run"), "target": {"dtype": "bfloat16"}})
     dtype_choice.this_machine.cache_clear()
     try:
         with mock.patch.object(dtype_choice, "_cpuinfo_flags", return_value=set(AVX2_EPYC)), \
-                mock.patch("torch.cuda.is_available", return_value=False), \
-                caplog.at_level(logging.INFO, logger="common.core.config"):
-            cfg = load_config(path, ["train.lr=1e-3"])  # two passes inside (file, then overrides): one line per key
+                mock.patch("torch.cuda.is_available", return_value=False):
+            cfg = load_config(path, ["train.lr=1e-3", "target.dtype=auto"])  # two passes inside: file, then overrides
     finally:
         dtype_choice.this_machine.cache_clear()
     assert (cfg.target.dtype, cfg.extract.dtype) == ("float32", "float32")
-    said = [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()]
-    assert len(said) == 2 and all("auto = float32 (CPU without native bf16" in line for line in said)
     assert cfg.to_dict()["extract"]["dtype"] == "float32"  # what the stages record and compare
+    assert capsys.readouterr() == ("", "")  # loading says nothing: a stage that never runs the target stays quiet
+    dtype_choice.announce()
+    dtype_choice.announce()
+    out, err = capsys.readouterr()
+    said = out.splitlines()
+    assert err == "" and len(said) == 2 and all("auto = float32 (CPU without native bf16" in line for line in said)
+    assert said[0].startswith("target.dtype") and said[1].startswith("extract.dtype")
+
+
+def test_an_emulated_bf16_is_a_warning_on_stderr(capsys):
+    cfg = config_from_dict({"target": {"dtype": "bfloat16"}, "extract": {"dtype": "float32"}}, resolve_dtypes=False)
+    dtype_choice.remember(resolve_dtypes(cfg, _machine(flags=AVX2_EPYC)))
+    dtype_choice.announce()
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("warning: target.dtype: bfloat16 on a CPU without native bf16") and "~60x" in err
 
 
 def test_this_machine_agrees_with_torch_where_torch_can_tell():
