@@ -37,19 +37,20 @@ def rss_bytes() -> int:
 def worker(args) -> dict:
     import torch
 
-    from common.model.draft import DraftModelConfig, Eagle3DraftModel
+    from common.model.draft import DEFAULT_ARCHITECTURE, DRAFT_FAMILIES
     from common.train.data import MicroBatch
     from common.train.step import StepSettings, build_step
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     H, Ht, V, Vd, T = args.hidden, args.hidden, args.vocab, args.draft_vocab, args.tokens
-    cfg = DraftModelConfig(hidden_size=H, intermediate_size=3 * H, num_attention_heads=args.heads,
-                           num_key_value_heads=max(1, args.heads // 2), head_dim=H // args.heads,
-                           vocab_size=V, draft_vocab_size=Vd, target_hidden_size=Ht, aux_layer_ids=[1, 2, 3],
-                           max_position_embeddings=max(4096, T + args.ttt_steps),
-                           initializer_range=0.1)  # larger than the default 0.02: non-uniform attention, a real comparison
-    draft = Eagle3DraftModel(cfg, attention=args.worker)
+    family = DRAFT_FAMILIES[DEFAULT_ARCHITECTURE]  # the default (Llama) draft family
+    cfg = family.config_class(hidden_size=H, intermediate_size=3 * H, num_attention_heads=args.heads,
+                              num_key_value_heads=max(1, args.heads // 2), head_dim=H // args.heads,
+                              vocab_size=V, draft_vocab_size=Vd, target_hidden_size=Ht, aux_layer_ids=[1, 2, 3],
+                              max_position_embeddings=max(4096, T + args.ttt_steps),
+                              initializer_range=0.1)  # larger than the default 0.02: non-uniform attention, a real comparison
+    draft = family.build(cfg, attention=args.worker)
     d2t = torch.zeros(Vd, dtype=torch.long)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:Vd] = True

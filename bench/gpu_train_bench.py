@@ -114,18 +114,19 @@ def build_bench_step(spec: dict, device, gen: torch.Generator, *, ttt_steps: int
     """04's training step (common.train.step.build_step) over a draft of these sizes, built as 04 builds it: fp32
     master weights, frozen embedding, a vocab map, the bf16 teacher lm_head, 04's AdamW (foreach on GPU), the
     attention and torch.compile resolved as 04 resolves them. Returns (step, trainable params)."""
-    from common.model.draft import DraftModelConfig, Eagle3DraftModel, choose_attention
+    from common.model.draft import DEFAULT_ARCHITECTURE, DRAFT_FAMILIES, choose_attention
     from common.train.step import StepSettings, build_step, resolve_compile
 
     H, V, Vd = spec["hidden"], spec["vocab"], spec["draft_vocab"]
-    cfg = DraftModelConfig(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
-                           num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"], num_hidden_layers=1,
-                           max_position_embeddings=max(4096, max_len + 16), vocab_size=V, draft_vocab_size=Vd,
-                           target_hidden_size=H, aux_layer_ids=[2, 30, 58], rope_theta=500000.0)
+    family = DRAFT_FAMILIES[DEFAULT_ARCHITECTURE]  # the default (Llama) draft family
+    cfg = family.config_class(hidden_size=H, intermediate_size=spec["intermediate"], num_attention_heads=spec["heads"],
+                              num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"], num_hidden_layers=1,
+                              max_position_embeddings=max(4096, max_len + 16), vocab_size=V, draft_vocab_size=Vd,
+                              target_hidden_size=H, aux_layer_ids=[2, 30, 58], rope_theta=500000.0)
     attention, attention_why = choose_attention(attention, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device)
     torch.manual_seed(0)
     with torch.device(device):
-        draft = Eagle3DraftModel(cfg, attention=attention, gradient_checkpointing=gradient_checkpointing)
+        draft = family.build(cfg, attention=attention, gradient_checkpointing=gradient_checkpointing)
     draft.attention_why = attention_why  # reported by the bench
     draft_ids = torch.sort(torch.randperm(V, generator=gen, device=device)[:Vd]).values.cpu()
     t2d = torch.zeros(V, dtype=torch.bool)

@@ -116,7 +116,7 @@ def build_ours(spec, device, args, gen) -> SimpleNamespace:
 
 
 def sf_config(cfg):
-    """The LlamaConfig SpecForge builds LlamaForCausalLMEagle3 from, with our draft's (DraftModelConfig) values."""
+    """The LlamaConfig SpecForge builds LlamaForCausalLMEagle3 from, with our draft config's values."""
     from transformers import LlamaConfig
 
     if cfg.num_hidden_layers != 1 or cfg.rope_scaling or cfg.norm_before_residual or cfg.num_aux != 3:

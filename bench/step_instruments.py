@@ -10,7 +10,7 @@ import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.model.draft import Eagle3DraftModel
+from common.model.draft import DraftModelContract
 
 
 def count_dispatched_ops(fn) -> tuple[int, dict]:
@@ -47,20 +47,12 @@ def count_top_level_ops(fn) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and top_level(e))
 
 
-def explain_regions(draft: Eagle3DraftModel, mb) -> dict:
-    """torch._dynamo.explain over each decoder layer's two compiled regions (DecoderLayer.pre_attention and
-    post_attention), on a micro-batch's step-0 inputs: {region: graph breaks}."""
+def explain_regions(draft: DraftModelContract, mb) -> dict:
+    """torch._dynamo.explain over each region the draft compiles (its compiled_regions: the Llama draft's
+    pre_attention and post_attention of each decoder layer), on a micro-batch's step-0 inputs: {region: graph breaks}."""
     breaks = {}
     with torch.no_grad():
-        hidden = draft.combine_aux(mb.aux_hidden)
-        embeds = draft.embed_tokens(mb.input_ids).to(hidden.dtype)
-        cos, sin = (x[:, None, :] for x in draft.rotary(mb.position_ids))
-        for i, layer in enumerate(draft.decoder_layers):
-            pre = torch._dynamo.explain(layer.pre_attention)(hidden, embeds if layer.first else None, cos, sin)
-            q, _, _, residual = layer.pre_attention(hidden, embeds if layer.first else None, cos, sin)
-            post = torch._dynamo.explain(layer.post_attention)(q, residual)
-            breaks[f"layer {i} pre_attention"] = pre.graph_break_count
-            breaks[f"layer {i} post_attention"] = post.graph_break_count
-            hidden = layer.post_attention(q, residual)
+        for name, region, args in draft.compiled_regions(mb.aux_hidden, mb.input_ids, mb.position_ids, mb.seq_lens):
+            breaks[name] = torch._dynamo.explain(region)(*args).graph_break_count
     torch._dynamo.reset()
     return breaks

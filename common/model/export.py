@@ -2,18 +2,18 @@
 either format back. Every draft architecture goes through its family (common/model/draft/registry.py): the
 config.json `architectures` name, the config class, the model class and the tensor names of each format.
 
-Official EAGLE-3 format (`export_vllm_draft`; for the Llama family, what vLLM's `LlamaForCausalLMEagle3` reads):
-    config.json        DraftModelConfig.to_vllm_config(): architectures [the family's: "LlamaForCausalLMEagle3"],
-                       draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids, ...
-    model.safetensors  fc.weight [H, n_aux*H_t], midlayer.* (q/k/v_proj [.., 2H], hidden_norm, ...),
-                       layers.{k}.* for k >= 1, norm.weight, lm_head.weight [V_d, H],
+Official EAGLE-3 format (`export_vllm_draft`: what vLLM's model class of the family's architecture reads):
+    config.json        the config's to_vllm_config(): architectures [the family's], draft_vocab_size,
+                       target_hidden_size, eagle_aux_hidden_state_layer_ids, ...
+    model.safetensors  the model's state dict under the family's official names (docs/design.md#vllm-checkpoint-format),
+                       with the names every family shares (common.model.draft.contract): lm_head.weight [V_d, H],
                        d2t int64 [V_d] (target id = i + d2t[i]), t2d bool [V];
                        no embed_tokens (vLLM shares the target's) unless include_embedding.
                        A full-vocabulary draft (draft_vocab_size = target vocab, as the published
                        Kimi-K2.5 draft) has no d2t/t2d: vLLM then builds no draft_id_to_target_id but
                        would still route a `d2t` tensor to it and fail to load.
 speculators format (`export_speculators_draft`): the same tensors under the family's speculators names
-(Llama: `midlayer.` renamed to `layers.0.`), embed_tokens included, and the speculators config.json, with
+(the family's adapter renames them), embed_tokens included, and the speculators config.json, with
 norm_before_residual written explicitly (vLLM assumes True when it is missing).
 
 Both writers build the directory under a temporary name next to `out_dir` and rename it into
@@ -30,19 +30,21 @@ from pathlib import Path
 
 import torch
 
-from common.model.draft import DraftFamily, DraftModelConfig, Eagle3DraftModel, family_of, family_of_config, family_of_model
+from common.model.draft import (EMBEDDING_PREFIX, VOCAB_MAP_TENSORS, DraftConfigContract, DraftFamily, DraftModelContract, family_of,
+                                family_of_config, family_of_model)
 from common.core.errors import ConfigError, DataError
 from common.core.io import fsync_dir
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # the files of an exported draft
+D2T, T2D = VOCAB_MAP_TENSORS
 
 
-def has_vocab_map(config: DraftModelConfig) -> bool:
+def has_vocab_map(config: DraftConfigContract) -> bool:
     """Whether the export carries d2t/t2d: not for a full-vocabulary draft (see the module docstring)."""
     return config.draft_vocab_size != config.vocab_size
 
 
-def _draft_state_dict(model: Eagle3DraftModel, dtype: torch.dtype, include_embedding: bool) -> dict:
+def _draft_state_dict(model: DraftModelContract, dtype: torch.dtype, include_embedding: bool) -> dict:
     """The tensors to export, under our names (the family's adapter renames them per format)."""
     out = {}
     full_vocab = not has_vocab_map(model.config)
@@ -50,13 +52,13 @@ def _draft_state_dict(model: Eagle3DraftModel, dtype: torch.dtype, include_embed
         raise DataError("the draft vocab is the whole target vocab but d2t reorders it, which vLLM cannot load "
                         "(it takes draft id i as target id i); rebuild the vocab map with 03_build_vocab_map.py")
     for name, tensor in model.state_dict().items():
-        if name.startswith("embed_tokens.") and not include_embedding:
+        if name.startswith(EMBEDDING_PREFIX) and not include_embedding:
             continue
-        if full_vocab and name in ("d2t", "t2d"):
+        if full_vocab and name in VOCAB_MAP_TENSORS:
             continue
-        if name == "d2t":
+        if name == D2T:
             tensor = tensor.to(torch.int64)
-        elif name == "t2d":
+        elif name == T2D:
             tensor = tensor.to(torch.bool)
         elif tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -103,7 +105,7 @@ def _safetensors_writer(tensors: dict, metadata: dict | None = None):
     return lambda path: save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
 
 
-def export_vllm_draft(model: Eagle3DraftModel, out_dir, dtype: torch.dtype = torch.bfloat16,
+def export_vllm_draft(model: DraftModelContract, out_dir, dtype: torch.dtype = torch.bfloat16,
                       extra_config: dict | None = None, include_embedding: bool = False) -> Path:
     """Write the draft in the official EAGLE-3 format; returns out_dir."""
     model = getattr(model, "module", model)
@@ -116,7 +118,7 @@ def export_vllm_draft(model: Eagle3DraftModel, out_dir, dtype: torch.dtype = tor
     })
 
 
-def export_speculators_draft(model: Eagle3DraftModel, out_dir, verifier_name_or_path: str,
+def export_speculators_draft(model: DraftModelContract, out_dir, verifier_name_or_path: str,
                              speculative_tokens: int, dtype: torch.dtype = torch.bfloat16,
                              include_embedding: bool = True, verifier_architectures: list[str] | None = None,
                              speculators_version: str = "0.3.0") -> Path:
@@ -184,7 +186,7 @@ def _read_config_json(path) -> tuple[dict, Path]:
     return raw, config_path
 
 
-def read_draft_config(path) -> DraftModelConfig:
+def read_draft_config(path) -> DraftConfigContract:
     """The config.json of the exported draft in `path` as its family's config object (the family: family_of_config),
     checked: JSON, an architecture a family knows (else one ConfigError line), the keys the family's config needs and
     their values. A truncated or edited file is one DataError naming it."""
@@ -224,8 +226,7 @@ def draft_weight_files(path) -> list[Path]:
 
 def read_draft_tensors(path, family: DraftFamily, shapes_only: bool = False, names: set[str] | None = None) -> dict:
     """{name: tensor} (or {name: shape} from the headers alone) of the tensors of the draft in `path` (all, or
-    those in `names`), either format, under our names (its family's adapter, from its config.json: the Llama
-    family's speculators `layers.0.` is `midlayer.`). A missing or unreadable file is one DataError naming it."""
+    those in `names`), either format, under our names (its family's adapter, from its config.json). A missing or unreadable file is one DataError naming it."""
     from safetensors import safe_open
 
     files = draft_weight_files(path)
@@ -247,12 +248,12 @@ def read_draft_tensors(path, family: DraftFamily, shapes_only: bool = False, nam
     return out
 
 
-def check_draft_tensors(shapes: dict, config: DraftModelConfig, where, optional: set[str] = frozenset()) -> None:
+def check_draft_tensors(shapes: dict, config: DraftConfigContract, where, optional: set[str] = frozenset()) -> None:
     """DataError unless `shapes` ({name: shape}) are exactly the tensors of a draft of `config` (a model of its
     family): embed_tokens may be absent (shared from the target), and so may the names in `optional`."""
     with torch.device("meta"):  # shapes only: no memory, no init
         own = {k: tuple(v.shape) for k, v in family_of_config(config).build(config).state_dict().items()}
-    missing = [k for k in own if k not in shapes and not k.startswith("embed_tokens.") and k not in optional]
+    missing = [k for k in own if k not in shapes and not k.startswith(EMBEDDING_PREFIX) and k not in optional]
     unexpected = [k for k in shapes if k not in own]
     wrong = [f"{k} {tuple(v)} != {own[k]}" for k, v in shapes.items() if k in own and tuple(v) != own[k]]
     if missing or unexpected or wrong:
@@ -261,7 +262,7 @@ def check_draft_tensors(shapes: dict, config: DraftModelConfig, where, optional:
 
 
 def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
-                        device: str | torch.device = "cpu") -> Eagle3DraftModel:
+                        device: str | torch.device = "cpu") -> DraftModelContract:
     """Rebuild the draft from an export (either format), as a model of its family. Without embed_tokens in the
     file, pass the target embedding as `embedding` (or call load_target_embedding later)."""
     path = Path(path)
@@ -270,10 +271,10 @@ def load_exported_draft(path, dtype: torch.dtype = torch.float32, embedding: tor
     state = read_draft_tensors(path, family=family)
     # embed_tokens: shared from the target; d2t/t2d: absent from a full-vocab export (identity map, the default)
     check_draft_tensors({k: v.shape for k, v in state.items()}, config, draft_weight_files(path)[0],
-                        optional={"d2t", "t2d"} if not has_vocab_map(config) else set())
+                        optional=set(VOCAB_MAP_TENSORS) if not has_vocab_map(config) else set())
     model = family.build(config)
     model.load_state_dict(state, strict=False)
     if embedding is not None:
         model.load_target_embedding(embedding)
-    model.embed_tokens.weight.requires_grad_(False)
+    model.embedding.weight.requires_grad_(False)
     return model.to(device=device, dtype=dtype)

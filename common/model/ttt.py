@@ -132,9 +132,9 @@ class SoftCrossEntropy(torch.autograd.Function):
 
 def step_loss(model, hidden, rows, teacher_logp, teacher_rows, row_weight, chunk_rows: int):
     """One TTT step's loss (sum over `rows` of row_weight * soft CE) and the draft's argmax (draft ids)
-    at those rows: the draft's final norm, then its lm_head fused with the loss."""
-    x = model.norm(hidden[rows])
-    return SoftCrossEntropy.apply(x, model.lm_head.weight, teacher_logp, teacher_rows, row_weight, chunk_rows)
+    at those rows: the draft's final norm, then its head fused with the loss (common.model.draft.DraftModelContract)."""
+    x = model.final_norm(hidden[rows])
+    return SoftCrossEntropy.apply(x, model.head_weight, teacher_logp, teacher_rows, row_weight, chunk_rows)
 
 
 def ttt_loss(model, aux_hidden, input_ids, final_hidden, loss_mask, position_ids, seq_lens, lm_head_weight,

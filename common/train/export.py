@@ -15,7 +15,7 @@ from typing import Optional
 from common.core.distributed import DistEnv, barrier
 from common.core.io import atomic_write_json, fsync_dir, read_json
 from common.core.run_folder import BEST_JSON, PREDICTION_JSON, TRAINING_SUMMARY, Layout
-from common.model.draft import DraftModelConfig, family_of_config
+from common.model.draft import DraftConfigContract, family_of_config
 from common.model.export import export_vllm_draft
 from common.train.checkpoint import checkpoint_problem, full_model_state, writing
 
@@ -29,7 +29,7 @@ def prediction_record(step: int, k: int, eval_report: Optional[dict], why_no_eva
     return {"step": step, "k": k, "eval": None, "missing": f"04 logged no eval at step {step}: {why_no_eval}"}
 
 
-def export_final(parallel: str, env: DistEnv, draft, draft_cfg: DraftModelConfig, index, layout: Layout, summary: dict,
+def export_final(parallel: str, env: DistEnv, draft, draft_cfg: DraftConfigContract, index, layout: Layout, summary: dict,
                  prediction: dict) -> None:
     """04's train/final/: the vLLM-loadable draft + training_summary.json and prediction.json (prediction_record),
     written by rank 0 under a temp name and renamed. Every rank calls it (under FSDP gathering the weights is
@@ -59,7 +59,7 @@ def _export_on_main(env, draft, draft_cfg, index, summary, prediction, full, tmp
 
 
 
-def export_best(env: DistEnv, draft_cfg: DraftModelConfig, index, layout: Layout, best: dict | None, last_step: int) -> str:
+def export_best(env: DistEnv, draft_cfg: DraftConfigContract, index, layout: Layout, best: dict | None, last_step: int) -> str:
     """04's train/best/: the checkpoint with the best replayed acceptance length (best["step"]), exported
     like train/final/ plus best.json (step, k, acceptance length) and prediction.json (the eval its
     state.json records). Rank 0 reads the checkpoint's weights from disk, so no collective. Returns the line

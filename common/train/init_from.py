@@ -28,11 +28,13 @@ from common.core.config import DraftConfig
 from common.core.distributed import DistEnv, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout
-from common.model.draft import DraftFamily, DraftModelConfig, draft_rope_scaling, family_of, family_of_config
+from common.model.draft import (EMBEDDING_PREFIX, EMBEDDING_TENSOR, HEAD_TENSOR, VOCAB_MAP_TENSORS, DraftConfigContract,
+                                DraftFamily, draft_rope_scaling, family_of, family_of_config)
 from common.model.export import CONFIG_NAME, check_draft_tensors, draft_weight_files, read_draft_config, read_draft_tensors
 from common.target.loading import load_target_tensors, target_fingerprint
 
-# DraftConfig keys -> DraftModelConfig fields they set (rope_scaling is compared resolved)
+D2T = VOCAB_MAP_TENSORS[0]
+# DraftConfig keys -> the draft config fields they set (rope_scaling is compared resolved)
 _DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "num_hidden_layers", "rope_theta", "rms_norm_eps", "norm_before_residual", "max_position_embeddings")
 
@@ -42,8 +44,8 @@ class InitDraft:
     path: Path
     mode: str  # train.init_vocab: own | remap
     family: DraftFamily  # the init's architecture (its config.json's `architectures`)
-    config: DraftModelConfig  # the init's own
-    draft_cfg: DraftModelConfig  # what 04 trains: the init's architecture with the draft vocab of `mode`
+    config: DraftConfigContract  # the init's own
+    draft_cfg: DraftConfigContract  # what 04 trains: the init's architecture with the draft vocab of `mode`
     d2t: torch.Tensor  # the vocab map 04 trains with (the init's, or 03's)
     t2d: torch.Tensor
     init_ids: torch.Tensor  # [V_d of the init] the target id of each of the init's lm_head rows
@@ -70,19 +72,19 @@ class InitDraft:
         shapes = read_draft_tensors(path, shapes_only=True, family=family)
         problems = _architecture_problems(raw) + _target_problems(config, info, aux_layer_ids)
         problems += _draft_key_problems(cfg, config, info, family)
-        if not problems and "embed_tokens.weight" in shapes:
+        if not problems and EMBEDDING_TENSOR in shapes:
             problems += on_rank0(lambda: _embedding_problems(path, cfg.target.model, family), env)
         if problems:
             raise ConfigError(f"train.init_from {path} does not fit this run: {'; '.join(problems)}; use a draft trained "
                               f"for this target (hidden size {info.hidden_size}, vocab {info.vocab_size}, aux layers "
                               f"{list(aux_layer_ids)}), or set train.init_from: null")
         # vLLM loads a draft without d2t too: its draft_id_to_target_id stays zeros (draft id i = target id i)
-        check_draft_tensors(shapes, config, draft_weight_files(path)[0], optional={"d2t", "t2d"})
+        check_draft_tensors(shapes, config, draft_weight_files(path)[0], optional=set(VOCAB_MAP_TENSORS))
         weights = _read_finite(path, shapes, family)
-        has_d2t = "d2t" in weights
+        has_d2t = D2T in weights
         init_ids = torch.arange(config.draft_vocab_size)
         if has_d2t:
-            init_ids = init_ids + weights["d2t"].long()
+            init_ids = init_ids + weights[D2T].long()
         if init_ids.min() < 0 or init_ids.max() >= info.vocab_size or init_ids.unique().numel() != init_ids.numel():
             raise DataError(f"train.init_from {path}: its d2t maps draft ids outside the target vocab of {info.vocab_size} "
                             f"or two onto one target id; the draft is damaged: re-export or re-download it")
@@ -107,13 +109,13 @@ class InitDraft:
         Returns the line 04 prints: which vocabulary, and how many rows were carried over."""
         weights, self.weights = self.weights, {}
         own = draft.state_dict()  # tensors sharing the draft's storage
-        head = weights.pop("lm_head.weight")
+        head = weights.pop(HEAD_TENSOR)
         for name, tensor in weights.items():
-            if name not in ("d2t", "t2d") and not name.startswith("embed_tokens."):  # the map is set, the embedding the target's
+            if name not in VOCAB_MAP_TENSORS and not name.startswith(EMBEDDING_PREFIX):  # the map is set, the embedding the target's
                 own[name].copy_(tensor)
         where = f"04_train: init_from {self.path}"
         if self.mode == "own":
-            draft.lm_head.weight.copy_(head)
+            draft.head_weight.copy_(head)
             vocab = "its d2t" if self.has_d2t else f"no d2t: target ids 0..{self.init_ids.numel() - 1}, as vLLM reads it"
             return (f"{where}: its own draft vocab kept ({self.init_ids.numel()} tokens, {vocab}; vocab/vocab_map.safetensors "
                     f"is not used, {self.shared} of its tokens are in it); all {self.init_ids.numel()} lm_head rows "
@@ -122,7 +124,7 @@ class InitDraft:
         row_of[self.init_ids] = torch.arange(self.init_ids.numel())
         rows = row_of[draft.draft_vocab_target_ids().cpu()]
         carried = rows >= 0
-        draft.lm_head.weight[carried.to(draft.lm_head.weight.device)] = head[rows[carried]].to(draft.lm_head.weight)
+        draft.head_weight[carried.to(draft.head_weight.device)] = head[rows[carried]].to(draft.head_weight)
         n, total = int(carried.sum()), rows.numel()
         return (f"{where}: remapped onto 03's draft vocab ({total} tokens): {n} lm_head rows carried over (the tokens both "
                 f"vocabularies hold), {total - n} start as train.init_lm_head says")
@@ -138,7 +140,7 @@ def _architecture_problems(raw: dict) -> list[str]:
     return problems
 
 
-def _target_problems(config: DraftModelConfig, info, aux_layer_ids: list[int]) -> list[str]:
+def _target_problems(config: DraftConfigContract, info, aux_layer_ids: list[int]) -> list[str]:
     problems = []
     if config.target_hidden_size != info.hidden_size:
         problems.append(f"it reads target hidden states of size {config.target_hidden_size}, this target's are {info.hidden_size}")
@@ -153,7 +155,7 @@ def _target_problems(config: DraftModelConfig, info, aux_layer_ids: list[int]) -
     return problems
 
 
-def _draft_key_problems(cfg, config: DraftModelConfig, info, family: DraftFamily) -> list[str]:
+def _draft_key_problems(cfg, config: DraftConfigContract, info, family: DraftFamily) -> list[str]:
     """draft.* keys set to something else than their default and than the init's value (the init's architecture
     is what 04 trains: a conflicting key is a mistake, not a wish to resize it)."""
     default = DraftConfig()
@@ -173,7 +175,7 @@ def _read_finite(path: Path, shapes: dict, family: DraftFamily) -> dict[str, tor
     """The init's tensors but embed_tokens (the target's is used; _embedding_problems compared it), every value
     finite: a diverged or damaged draft is refused here, before --overwrite deletes anything, not reported as a
     divergence of this run after it."""
-    weights = read_draft_tensors(path, names={n for n in shapes if not n.startswith("embed_tokens.")}, family=family)
+    weights = read_draft_tensors(path, names={n for n in shapes if not n.startswith(EMBEDDING_PREFIX)}, family=family)
     counts = {n: int(w.isfinite().logical_not().sum()) for n, w in weights.items() if w.is_floating_point()}
     bad = {n: c for n, c in counts.items() if c}
     if bad:
@@ -187,7 +189,7 @@ def _read_finite(path: Path, shapes: dict, family: DraftFamily) -> dict[str, tor
 def _embedding_problems(path: Path, target_model: str, family: DraftFamily) -> list[str]:
     """A draft that carries its own embed_tokens (the speculators format does) carries its target's: vLLM serves
     it with that one unless it equals this target's, so another one means another target."""
-    theirs = read_draft_tensors(path, names={"embed_tokens.weight"}, family=family)["embed_tokens.weight"]
+    theirs = read_draft_tensors(path, names={EMBEDDING_TENSOR}, family=family)[EMBEDDING_TENSOR]
     ours = load_target_tensors(target_model, kinds=("embed",))["embed"]
     if theirs.shape == ours.shape and torch.equal(theirs, ours.to(theirs.dtype)):
         return []
@@ -197,8 +199,11 @@ def _embedding_problems(path: Path, target_model: str, family: DraftFamily) -> l
 def draft_family_for(cfg, init: InitDraft | None = None) -> DraftFamily:
     """The draft family 04 trains, decided here for the trainer and the memory planner alike: train.init_from's (the
     architectures of its config.json; `init` when the trainer has read it already) when set, else
-    draft.architecture's. A name no family knows is one ConfigError line."""
+    draft.architecture's. A name no family knows, or a draft.* key its family does not read, is one ConfigError line."""
     if cfg.train.init_from:
         return init.family if init is not None else family_of_config(read_draft_config(cfg.train.init_from))
-    return family_of([cfg.draft.architecture], where="config key 'draft.architecture'",
-                     fix="set draft.architecture to one of them")
+    family = family_of([cfg.draft.architecture], where="config key 'draft.architecture'",
+                       fix="set draft.architecture to one of them")
+    # a draft.* key the family does not read is one line (with an init, _draft_key_problems compares the keys instead)
+    family.check_draft_keys(cfg.draft)
+    return family

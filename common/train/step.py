@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from common.core.distributed import DistEnv, wrap_parallel
-from common.model.draft import Eagle3DraftModel
+from common.model.draft import DraftModelContract
 from common.model.ttt import TTTOutput, ttt_loss
 from common.train.optim import build_optimizer
 
@@ -82,8 +82,8 @@ class ComputeCopy:
     """A bf16 copy of the fp32 master draft that forward and backward run on. The frozen target embedding
     and the vocab-map buffers are shared with the master, not copied."""
 
-    def __init__(self, master: Eagle3DraftModel, dtype: torch.dtype):
-        shared = {id(master.embed_tokens.weight): master.embed_tokens.weight}
+    def __init__(self, master: DraftModelContract, dtype: torch.dtype):
+        shared = {id(master.embedding.weight): master.embedding.weight}
         self.module = copy.deepcopy(master, memo=shared)
         self.master_params = [p for p in master.parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -112,7 +112,7 @@ class ComputeCopy:
 class StepLoss:
     """The TTT loss of one micro-batch, computed as 04 trains: `loss(mb)`; see the module docstring."""
 
-    def __init__(self, draft: Eagle3DraftModel, teacher_head: torch.Tensor, settings: StepSettings,
+    def __init__(self, draft: DraftModelContract, teacher_head: torch.Tensor, settings: StepSettings,
                  env: Optional[DistEnv] = None):
         """draft: the fp32 master; teacher_head: the target's lm_head (in the compute dtype, on the device);
         env: whether FSDP will shard the draft (then no compute copy: FSDP's bf16 all-gather is one)."""
@@ -228,7 +228,7 @@ class TrainStep:
         return result
 
 
-def build_step(draft: Eagle3DraftModel, teacher_head: torch.Tensor, settings: StepSettings,
+def build_step(draft: DraftModelContract, teacher_head: torch.Tensor, settings: StepSettings,
                env: Optional[DistEnv] = None, fsdp_units: tuple[type, ...] = ()) -> TrainStep:
     """04's training step over `draft` (the fp32 master), as 04's trainer and the benches run it: the loss
     (StepLoss), the parallel wrapper when `env` has several processes (common.core.distributed.wrap_parallel;

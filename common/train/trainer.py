@@ -165,11 +165,11 @@ class Trainer:
                                   gradient_checkpointing=self.memory_plan.setting["gradient_checkpointing"])  # as planned (null: auto)
         draft.load_target_embedding(target["embed"].float())
         if self.on_gpu and self.dtype == torch.bfloat16 and target["embed"].dtype == torch.bfloat16:
-            draft.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: same values, half the memory
+            draft.embedding.to(torch.bfloat16)  # frozen and bf16 in the target anyway: same values, half the memory
         draft.set_vocab_map(self.d2t, self.t2d)
         if t.init_lm_head == "target":  # start from the target's own head, restricted to the draft vocab
             with torch.no_grad():
-                draft.lm_head.weight.copy_(target["lm_head"][draft.draft_vocab_target_ids()].float())
+                draft.head_weight.copy_(target["lm_head"][draft.draft_vocab_target_ids()].float())
         if self.init is not None:  # its weights over these (a resume then loads its checkpoint over them)
             self.say(self.init.load_into(draft))
         draft.to(env.device)

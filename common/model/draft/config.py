@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from common.core.errors import ConfigError
+from common.model.draft.contract import DraftConfigContract
 
 OFFICIAL_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 @dataclass(kw_only=True)
-class DraftModelConfig:
+class DraftModelConfig(DraftConfigContract):  # the Llama family's; the contract says what the stages read of it
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int

@@ -236,10 +236,7 @@ def build_mla_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list
     """The MLA draft's config: MLA's sizes are the target's (it must be an MLA target), the other keys as the Llama
     family builds them (draft.* nulls take the target's), rope the target's unless draft.rope_scaling names one."""
     d, tc = cfg.draft, info.text_config
-    set_llama_keys = [k for k in ("num_key_value_heads", "head_dim") if getattr(d, k) is not None]
-    if set_llama_keys:
-        raise ConfigError(f"draft.{set_llama_keys[0]} does not apply to the MLA draft ({ARCHITECTURE}): its heads are "
-                          f"the target's MLA sizes; set it to null")
+    DEEPSEEK_EAGLE3_FAMILY.check_draft_keys(d)  # its heads are the target's MLA sizes: no head_dim, num_key_value_heads
     missing = [k for k in MLA_KEYS[1:] if _text_attr(tc, k) is None]
     if missing:
         raise ConfigError(f"the {ARCHITECTURE} draft takes its MLA sizes from the target, whose config has no "
@@ -293,4 +290,8 @@ DEEPSEEK_EAGLE3_FAMILY = register(DraftFamily(
     largest_param=largest_param,
     kv_bytes_per_token=kv_bytes_per_token,
     fsdp_unit_classes=(),  # one unit, as the Llama draft (a layer runs once per TTT step)
+    # draft.* keys build_mla_draft_config reads: not head_dim or num_key_value_heads (the MLA sizes are the target's)
+    draft_keys=frozenset({"hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rope_theta",
+                          "rms_norm_eps", "norm_before_residual", "max_position_embeddings", "rope_scaling"}),
+    label="the MLA draft",
 ))

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common.core.errors import ConfigError, DataError
 from common.model.draft.attention import ATTENTION_BACKENDS, ATTN_SCORES_BYTES, DEFAULT_ATTN_CHUNK, AttentionMeta
+from common.model.draft.contract import DraftModelContract
 from common.model.draft.config import ACTIVATIONS, OFFICIAL_ARCHITECTURE, DraftModelConfig, build_draft_config
 from common.model.draft.layout import PackedLayout, _wide, squeeze_row
 from common.model.draft.registry import DraftFamily, StateDictAdapter, register
@@ -188,7 +189,7 @@ class DecoderLayer(nn.Module):
         self.post_attention = torch.compile(self.post_attention, fullgraph=True, dynamic=True, backend=backend)
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(nn.Module, DraftModelContract):
     """The Llama EAGLE-3 draft. `attention` names the TTT attention backend (ATTENTION_BACKENDS; 04 picks it with
     choose_attention), `attn_chunk_size` the queries per chunk of the chunked one (a sample longer than this is
     cut), `gradient_checkpointing` recomputes each (TTT step, layer) call in the backward. A family that changes
@@ -284,9 +285,23 @@ class Eagle3DraftModel(nn.Module):
                             f"({self.config.num_aux} aux layers x target hidden {self.config.target_hidden_size})")
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [.., H] -> what lm_head reads [.., H]."""
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [.., H] -> draft logits [.., V_d]."""
         return self.lm_head(self.norm(hidden))
+
+    @property
+    def head_weight(self) -> nn.Parameter:
+        """lm_head's weight [V_d, H]."""
+        return self.lm_head.weight
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        """embed_tokens: the target's embedding, frozen."""
+        return self.embed_tokens
 
     def forward_ttt_hidden(self, aux_hidden, input_ids, position_ids, seq_lens, ttt_steps: int,
                            step_fn=None) -> list:
@@ -354,6 +369,24 @@ class Eagle3DraftModel(nn.Module):
         for layer in self.decoder_layers:
             layer.compile_regions(backend)
 
+    def compiled_regions(self, aux_hidden, input_ids, position_ids, seq_lens):
+        """(name, region, args) of the regions compile_regions compiles (each layer's pre_attention and
+        post_attention), with TTT step 0's inputs for this row, in call order; run it under torch.no_grad()."""
+        aux_hidden, input_ids = squeeze_row(aux_hidden, 2), squeeze_row(input_ids, 1)
+        position_ids = squeeze_row(position_ids, 1)
+        hidden = self.combine_aux(aux_hidden)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = (x[:, None, :] for x in self.rotary(position_ids))
+        meta = AttentionMeta(PackedLayout.build(seq_lens, hidden.shape[0], hidden.device), chunk_size=self.attn_chunk_size,
+                             impl=self.attention_impl, scale=self.rotary.softmax_scale)
+        for i, layer in enumerate(self.decoder_layers):
+            pre_args = (hidden, embeds if layer.first else None, cos, sin)
+            yield f"layer {i} pre_attention", layer.pre_attention, pre_args
+            q, k, v, residual = layer.pre_attention(*pre_args)
+            post_args = (ATTENTION_BACKENDS[meta.impl].attend(q, [k], [v], meta), residual)
+            yield f"layer {i} post_attention", layer.post_attention, post_args
+            hidden = layer.post_attention(*post_args)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
@@ -399,4 +432,6 @@ LLAMA_EAGLE3_FAMILY = register(DraftFamily(
     largest_param=largest_param,
     kv_bytes_per_token=kv_bytes_per_token,
     fsdp_unit_classes=(),  # one unit: a layer runs once per TTT step (common.core.distributed.wrap_parallel says why)
+    draft_keys=None,  # build_draft_config reads every draft.* key
+    label="the Llama draft",
 ))

@@ -14,11 +14,14 @@ it is always known.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from common.core.config import DraftConfig
 from common.core.errors import ConfigError
 from common.model.draft.config import OFFICIAL_ARCHITECTURE
+from common.model.draft.contract import contract_problems
 
 # draft.architecture's default (common/core/config.py spells it too: core imports no model), and the family of a
 # config.json that names no architecture
@@ -55,7 +58,8 @@ def _renamed(name: str, prefixes) -> str:
 
 @dataclass(frozen=True)
 class DraftFamily:
-    """One draft architecture: what 04 trains, the export writes and the loaders read, and what the planners count."""
+    """One draft architecture: what 04 trains, the export writes and the loaders read, and what the planners count.
+    Its config and model classes implement the draft contract (common/model/draft/contract.py)."""
 
     architecture: str  # the config.json `architectures` name our export writes (vLLM picks its model class by it)
     aliases: tuple[str, ...]  # other names read as this family (the speculators format's, the official repo's)
@@ -74,6 +78,10 @@ class DraftFamily:
     # module classes FSDP shards as units of their own inside the draft (common.core.distributed.wrap_parallel);
     # () = the whole draft is one unit
     fsdp_unit_classes: tuple[type, ...] = ()
+    # the run config's draft.* keys its build_config reads (draft.architecture aside); None = every one. A key it does
+    # not read, set to anything but its default, is refused (check_draft_keys) rather than silently ignored.
+    draft_keys: Optional[frozenset[str]] = None
+    label: str = ""  # how error lines name it ("the MLA draft"); "" = "the <architecture> draft"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -91,6 +99,23 @@ class DraftFamily:
         """config.json of the official format, naming this family's architecture."""
         return {**config.to_vllm_config(**extra), "architectures": [self.architecture]}
 
+    def describe(self) -> str:
+        return f"{self.label} ({self.architecture})" if self.label else f"the {self.architecture} draft"
+
+    def check_draft_keys(self, draft_section) -> None:
+        """ConfigError, one line, naming the first draft.* key of the run config (core.config.DraftConfig) that is
+        set but that this family does not read."""
+        if self.draft_keys is None:
+            return
+        default = DraftConfig()
+        for f in dataclasses.fields(DraftConfig):
+            key = f.name
+            if key == "architecture" or key in self.draft_keys:
+                continue
+            if getattr(draft_section, key) != getattr(default, key):
+                raise ConfigError(f"draft.{key} does not apply to {self.describe()}, which reads only draft."
+                                  f"{', draft.'.join(sorted(self.draft_keys))}; remove draft.{key} from the config")
+
 
 DRAFT_FAMILIES: dict[str, DraftFamily] = {}  # every name (architecture and aliases) -> its family
 
@@ -98,6 +123,9 @@ DRAFT_FAMILIES: dict[str, DraftFamily] = {}  # every name (architecture and alia
 def register(family: DraftFamily) -> DraftFamily:
     """Add `family` under its architecture and aliases. Its names, config class and model class must be its own: a
     config or a model tells its family by its class (family_of_config, family_of_model)."""
+    broken = contract_problems(family.config_class, family.model_class)
+    if broken:
+        raise ValueError(f"draft family {family.architecture}: {'; '.join(broken)} (common/model/draft/contract.py)")
     for other in dict.fromkeys(DRAFT_FAMILIES.values()):  # each family once, in registration order
         if other is family:
             continue
