@@ -12,8 +12,12 @@ config's sizes with "weights_gib" (configs/targets/kimi-k2.5.json). Once the ser
 figure vLLM itself measured.
 --draft: served with an EAGLE draft, whose layers take KV cache from the same blocks: a draft directory or its
 config.json (vLLM's or speculators' format, ours or a published one), or a pipeline config whose draft: section
-04 would build for this target (configs/kimi-k2.5.yaml: the sizes of lightseekorg/kimi-k2.5-eagle3, 64 KV heads
-of 128). It prints the target's and the draft's bytes per token and the capacity with and without the draft.
+04 would build for this target (configs/kimi-k2.5.yaml: the MLA draft of lightseekorg/kimi-k2.5-eagle3-mla's sizes,
+its 576-value latent on every rank). It prints the target's and the draft's bytes per token and the capacity with
+and without the draft. Given more than once, the drafts side by side:
+
+  python scripts/plan_serving.py --target configs/targets/kimi-k2.5.json --gpu rtx-pro-6000 --max-model-len 32768 \
+      --draft configs/kimi-k2.5.yaml --draft configs/drafts/kimi-k2.5-eagle3.json      # MLA vs Llama-style
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from common.core.cli import OneLineArgumentParser  # noqa: E402
 from common.core.config import GpuMemoryGB, MemoryUtilization, ModelLen, Range, TensorParallel  # noqa: E402
 from common.core.errors import ConfigError, PipelineError, printable  # noqa: E402
 from common.model.sizes import check_model_sizes  # noqa: E402
-from common.serving.sizing import GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, kv_bytes_per_token, plan_serving  # noqa: E402
+from common.serving.sizing import (GIB, GPU_MEMORY_GIB, KV_DTYPE_BYTES, draft_architecture,  # noqa: E402
+                                   draft_comparison_lines, kv_bytes_per_token, plan_serving)
 
 
 WEIGHTS_GIB = Range(gt=0, le=10**7)  # on all GPUs together: Kimi-K2.5's are ~570 GiB
@@ -111,21 +116,28 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-gib", type=Range(ge=0, le=GpuMemoryGB.le).argument(), default=5.0,
                     help="activations, CUDA graphs and buffers per GPU (default 5; vLLM measures it at start)")
     ap.add_argument("--weights-gib", type=WEIGHTS_GIB.argument(), help="the weights on all GPUs together (default: from --target)")
-    ap.add_argument("--draft", type=Path, help=f"served with this EAGLE draft: {DRAFT_FORMS}")
+    ap.add_argument("--draft", type=Path, action="append", default=[],
+                    help=f"served with this EAGLE draft: {DRAFT_FORMS}; more than once: the drafts side by side")
     args = ap.parse_args(argv)
     memory = args.gpu_memory_gib if args.gpu_memory_gib is not None else GPU_MEMORY_GIB[args.gpu] if args.gpu else None
     if memory is None:
         raise ConfigError("give --gpu or --gpu-memory-gib")
     text, weights = read_target(args.target, args.weights_gib)
-    draft = read_draft(args.draft, text, args.target) if args.draft else None
-    plan = plan_serving(text, gpu_memory_gib=memory, weights_gib_total=weights, tensor_parallel_size=args.tp,
-                        utilization=args.utilization, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-                        tokens_per_request=args.tokens_per_request, activation_gib=args.activation_gib, draft_config=draft)
-    print(f"{args.target.name}{f' + draft {args.draft.name}' if draft else ''}: TP {args.tp} on "
-          f"{args.gpu or f'{memory:g} GiB cards'}, KV cache {args.kv_cache_dtype}")
-    for line in plan.lines():
+    drafts = [(path, read_draft(path, text, args.target)) for path in args.draft] or [(None, None)]
+    plans = [plan_serving(text, gpu_memory_gib=memory, weights_gib_total=weights, tensor_parallel_size=args.tp,
+                          utilization=args.utilization, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                          tokens_per_request=args.tokens_per_request, activation_gib=args.activation_gib, draft_config=draft)
+             for _, draft in drafts]
+    names = " + draft " + " | ".join(path.name for path, _ in drafts) if args.draft else ""
+    print(f"{args.target.name}{names}: TP {args.tp} on {args.gpu or f'{memory:g} GiB cards'}, KV cache {args.kv_cache_dtype}")
+    if len(plans) > 1:
+        lines = draft_comparison_lines([(path.name, draft_architecture(draft), plan)
+                                        for (path, draft), plan in zip(drafts, plans)])
+    else:
+        lines = plans[0].lines()
+    for line in lines:
         print("  " + line)
-    return 0 if plan.fits_one_full_request else 1
+    return 0 if all(plan.fits_one_full_request for plan in plans) else 1
 
 
 if __name__ == "__main__":

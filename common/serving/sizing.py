@@ -109,6 +109,27 @@ def _draft_family(draft_config: Any):
         return None, None
 
 
+def draft_architecture(draft_config: Any) -> str:
+    """The architecture name of a draft config (object or config.json dict), for the side-by-side lines."""
+    family, _ = _draft_family(draft_config)
+    if family is not None:
+        return family.architecture
+    names = draft_config.get("architectures") if isinstance(draft_config, dict) else None
+    return str(names[0]) if isinstance(names, list) and names else "an unknown architecture"
+
+
+def draft_comparison_lines(plans: list[tuple[str, str, "ServingPlan"]]) -> list[str]:
+    """Several drafts for one target side by side: (name, architecture, plan served with it) each, the plans alike but
+    for the draft. The target alone first, then each draft's bytes per token on one GPU and what the cache holds."""
+    first = plans[0][2]
+    lines = [first.lines()[0], f"without a draft: {first.kv_bytes_per_token:,} B/token -> {first.kv_tokens_without_draft:,} "
+                               f"tokens, {first._at_once(first.kv_tokens_without_draft)}"]
+    for name, architecture, plan in plans:
+        lines.append(f"with {name} ({architecture}): + {plan.draft_kv_bytes_per_token:,} B/token draft = "
+                     f"{plan.total_kv_bytes_per_token:,} B/token -> {plan.kv_tokens:,} tokens, {plan._at_once(plan.kv_tokens)}")
+    return lines
+
+
 def kv_cache_tokens(metrics: dict) -> Optional[int]:
     """Tokens the running server's KV cache holds (summed over its engines), from `vllm:cache_config_info`
     in scrape_metrics' form; None when the server does not say."""

@@ -23,7 +23,10 @@ K = train.ttt_steps, c = bytes of the compute dtype, 2 in bf16, 4 in fp32):
 - saved activations per TTT step (the sum over K steps is alive when backward starts):
   gradient_checkpointing on: each layer's outputs h, k, v, the step's embeddings and RoPE cos/sin,
   and the rows gathered for the loss chunks [<=T, H]; off: also every layer's internals
-  (norm inputs in fp32, the q/k/v/MLP inputs, q, attention output, 4 x [T, I] of the MLP).
+  (norm inputs in fp32, the q/k/v/MLP inputs, q, attention output, 4 x [T, I] of the MLP, and an MLA
+  draft's q and kv latents with their norms). The attention's widths are the family's
+  (DraftFamily.attention_widths): a Llama layer's k and v are KV heads x head_dim, an MLA layer's k is
+  heads x (qk_nope + qk_rope) and its v heads x v_head_dim.
 - the largest transient on top: the backward of the last step's layer (recomputed when
   checkpointing; its internal gradients; the k/v gradients of all K steps pending), the
   attention chunk (scores [heads, 512, S] fp32, S <= longest sample + 512, ~5 copies in backward),
@@ -98,8 +101,8 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     mode = t.parallel if W > 1 else "single"
     family = family_of_config(d)  # the architecture's own weight counts; the activations read the config's sizes
     P = family.trainable_params(d)
-    H, I, hd, L = d.hidden_size, d.intermediate_size, d.head_dim, d.num_hidden_layers
-    q_w, kv_w = d.num_attention_heads * hd, d.num_key_value_heads * hd
+    H, I, L = d.hidden_size, d.intermediate_size, d.num_hidden_layers
+    w = family.attention_widths(d)  # q, k, v, attention output, rope and latent widths of the family's attention
     V, Vd, Ht, A = d.vocab_size, d.draft_vocab_size, d.target_hidden_size, d.num_aux
     gc = bool(t.gradient_checkpointing)
     C = min(T, DEFAULT_ATTN_CHUNK)
@@ -140,17 +143,18 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
 
     def attn_part(first: bool) -> int:
         """Bytes per token a layer call keeps for the backward of its attention half (beyond its inputs
-        and its outputs h, k, v): the input norms, the q/k/v input, q after RoPE, the attention output."""
+        and its outputs h, k, v): the input norms, the q/k/v input, q after RoPE, the attention output, and the
+        latents inside the attention (MLA: through their norms into the up-projections)."""
         b = (norm_saved(a) + norm_saved(embed_bytes)) * H if first else norm_saved(a) * H
         b += (2 * H if first else H) * (n if n == c else 3 * c)  # q/k/v input: shared, or 3 autocast casts
-        return b + q_w * a * 2
+        return b + (w.q + w.out) * a + w.normed_latents * (norm_saved(a) + n)
 
     def mlp_part() -> int:
         """... and of its MLP half: the residual stream (fp32) and its norm, the MLP input, 4 x [T, I]."""
         return 4 * H + a * H + H * (n if n == c else 2 * c) + 4 * I * a
 
-    outputs = H * a + 2 * kv_w * a  # h, k, v of every layer call
-    per_step = L * outputs + H * embed_bytes + 2 * hd * 4  # + the step's embeddings, RoPE cos/sin
+    outputs = H * a + (w.k + w.v) * a  # h, k, v of every layer call
+    per_step = L * outputs + H * embed_bytes + 2 * w.rope * 4  # + the step's embeddings, RoPE cos/sin
     # the loss: the rows it gathers, hidden[r] (<= T of them), the final norm's fp32 input and output, the normed
     # rows the fused lm_head + loss keeps, their indices, weights and log-sum-exp
     per_step += H * (3 * a + (4 if a != 4 else 0)) + 28
@@ -166,7 +170,8 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
 
     pairs = min(math.ceil(T / C) * C * S, max(ATTN_SCORES_BYTES // (4 * d.num_attention_heads), C * S))
     scores = 4 * d.num_attention_heads * pairs
-    attn_bwd = T * ((last if gc else -mlp_part()) + q_w * a * 2 + 2 * K * kv_w * a) + 3 * scores
+    # the gradients of q and the attention output, of the k/v of all K steps, and of the latents (fp32 in their norms)
+    attn_bwd = T * ((last if gc else -mlp_part()) + (w.q + w.out) * a + K * (w.k + w.v) * a + w.normed_latents * 4) + 3 * scores
     mlp_bwd = T * ((last + mlp_part() if gc else 0) + 3 * I * a + H * 4)
     loss_chunk = rows * Vd * (c + 3 * 4) + rows * H * 4 * 3  # the loss chunk: logits (+ fp32), teacher rows, product
     teacher_build = TEACHER_CHUNK_ROWS * (V * (c + 4) + 8 * Vd)  # [1024, V] logits while the teacher is built
@@ -288,12 +293,18 @@ def target_sizes_from_config_json(model: str) -> Optional[dict]:
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
+    return target_sizes_from_json(path, "fix target.model")
+
+
+def target_sizes_from_json(path: Path, fix: str = "give the target's config.json or a JSON of its sizes") -> dict:
+    """The target's text config (a dict) from a config.json, or a JSON of its sizes (configs/targets/kimi-k2.5.json);
+    an unreadable file is one ConfigError line ending with `fix`."""
     try:
         doc = parse_json(path.read_bytes())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the target's config {path} ({' '.join(str(e).split())}); fix target.model") from None
+        raise ConfigError(f"cannot read the target's config {path} ({' '.join(str(e).split())}); {fix}") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path} holds a JSON {type(doc).__name__}, not a config object; fix target.model")
+        raise ConfigError(f"{path} holds a JSON {type(doc).__name__}, not a config object; {fix}")
     for key in ("text_config", "language_config", "llm_config"):
         sub = doc.get(key)
         if isinstance(sub, dict) and sub.get("num_hidden_layers") is not None:  # 0 too: draft_config_from refuses it

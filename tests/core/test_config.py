@@ -26,7 +26,8 @@ def test_shipped_configs_load():
     kimi = load_config(ROOT / "configs/kimi-k2.5.yaml")
     assert kimi.target.model == "moonshotai/Kimi-K2.5"  # hub id stays a hub id
     assert kimi.target.aux_layer_ids == [2, 30, 58]
-    assert kimi.vocab.draft_vocab_size == 32000
+    assert kimi.vocab.draft_vocab_size == 163840  # the full vocab, as the published MLA draft
+    assert kimi.draft.architecture == "Eagle3DeepseekV2ForCausalLM"
     assert kimi.extract.storage == "fp8"  # half the disk of bf16 (docs/design.md#fp8-hidden-states)
     assert kimi.server.tensor_parallel_size == 8
 

@@ -98,10 +98,13 @@ def test_draft_kv_bytes_per_token_hand_computed():
 
 
 def kimi_draft():
-    """The DraftModelConfig 04 builds from configs/kimi-k2.5.yaml (lightseekorg/kimi-k2.5-eagle3's attention)."""
+    """The DraftModelConfig 04 builds from configs/kimi-k2.5.yaml set to the Llama-style draft (lightseekorg/kimi-k2.5-eagle3's
+    attention; the shipped MLA draft: tests/serving/test_plan_serving_mla_draft.py)."""
     from common.train.memory_plan import draft_config_from
 
-    return draft_config_from(load_config(REPO / "configs" / "kimi-k2.5.yaml"), KIMI)
+    llama = ["draft.architecture=LlamaForCausalLMEagle3", "draft.num_key_value_heads=64", "draft.head_dim=128",
+             "draft.intermediate_size=12288"]
+    return draft_config_from(load_config(REPO / "configs" / "kimi-k2.5.yaml", llama), KIMI)
 
 
 def test_the_kimi_draft_adds_32768_bytes_per_token_before_tp():

@@ -80,7 +80,9 @@ def test_04_turns_checkpointing_on_only_when_the_step_does_not_fit(hidden_run, t
 
 
 KIMI_TARGET = {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61, "torch_dtype": "bfloat16"}
-KIMI_DRAFT = ["draft.hidden_size=7168", "draft.intermediate_size=12288", "draft.num_attention_heads=64",
+# the Llama-style Kimi draft (lightseekorg/kimi-k2.5-eagle3's sizes, a 32000-token draft vocab); the shipped config's
+# MLA draft: tests/train/test_memory_plan_mla.py
+KIMI_DRAFT = ["draft.architecture=LlamaForCausalLMEagle3", "draft.rms_norm_eps=1e-6", "draft.hidden_size=7168", "draft.intermediate_size=12288", "draft.num_attention_heads=64",
               "draft.num_key_value_heads=64", "draft.head_dim=128", "vocab.draft_vocab_size=32000", "train.ttt_steps=7",
               "train.parallel=fsdp", "train.precision=bf16", "train.gradient_checkpointing=true"]
 
@@ -124,7 +126,7 @@ def test_plan_memory_script_for_a_hub_target():
 # ---- the planners' numeric flags (nan, inf, ranks <= 0, an unknown dtype): one error line each, nothing accepted
 
 PLAN_MEMORY = [sys.executable, str(REPO / "scripts" / "plan_memory.py"), "--config", str(REPO / "configs" / "kimi-k2.5.yaml"),
-               "--target-hidden-size", "7168", "--target-vocab-size", "163840", "--target-num-layers", "61"]
+               "--target-config", str(REPO / "configs" / "targets" / "kimi-k2.5.json")]
 PLAN_SERVING = [sys.executable, str(REPO / "scripts" / "plan_serving.py"), "--target",
                 str(REPO / "configs" / "targets" / "kimi-k2.5.json"), "--gpu", "h200", "--max-model-len", "32768"]
 FINITE_GPU_GB = "must be a finite number > 0 and <= 100000"

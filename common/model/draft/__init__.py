@@ -21,12 +21,13 @@ from common.model.draft.config import OFFICIAL_ARCHITECTURE, DraftModelConfig, b
 from common.model.draft.layout import PackedLayout, squeeze_row
 from common.model.draft.llama_eagle3 import LLAMA_EAGLE3_FAMILY, Eagle3DraftModel
 from common.model.draft.deepseek_eagle3 import DEEPSEEK_EAGLE3_FAMILY
-from common.model.draft.registry import (DEFAULT_ARCHITECTURE, DRAFT_FAMILIES, DraftFamily, StateDictAdapter, family_of,
-                                         family_of_config, family_of_model, known_architectures, register, unregister)
+from common.model.draft.registry import (DEFAULT_ARCHITECTURE, DRAFT_FAMILIES, AttentionWidths, DraftFamily,
+                                         StateDictAdapter, family_of, family_of_config, family_of_model,
+                                         known_architectures, register, unregister)
 
 __all__ = ["ATTENTION_BACKENDS", "ATTN_SCORES_BYTES", "DEEPSEEK_EAGLE3_FAMILY", "DEFAULT_ARCHITECTURE", "DEFAULT_ATTN_CHUNK",
            "DRAFT_FAMILIES", "EMBEDDING_PREFIX", "EMBEDDING_TENSOR", "HEAD_TENSOR", "VOCAB_MAP_TENSORS", "AttentionMeta",
-           "DraftConfigContract", "DraftFamily", "DraftModelContract", "DraftModelConfig", "Eagle3DraftModel", "LLAMA_EAGLE3_FAMILY",
-           "OFFICIAL_ARCHITECTURE", "PackedLayout", "StateDictAdapter", "build_draft_config", "choose_attention",
-           "draft_rope_scaling", "family_of", "family_of_config", "family_of_model", "known_architectures", "register",
-           "squeeze_row", "unregister"]
+           "AttentionWidths", "DraftConfigContract", "DraftFamily", "DraftModelContract", "DraftModelConfig",
+           "Eagle3DraftModel", "LLAMA_EAGLE3_FAMILY", "OFFICIAL_ARCHITECTURE", "PackedLayout", "StateDictAdapter",
+           "build_draft_config", "choose_attention", "draft_rope_scaling", "family_of", "family_of_config",
+           "family_of_model", "known_architectures", "register", "squeeze_row", "unregister"]

@@ -32,7 +32,7 @@ from common.core.errors import ConfigError
 from common.model.draft.config import DraftModelConfig, _text_attr, build_draft_config, draft_rope_scaling
 from common.model.draft.layout import _wide
 from common.model.draft.llama_eagle3 import DecoderLayer, Eagle3DraftModel, RMSNorm
-from common.model.draft.registry import DraftFamily, StateDictAdapter, register
+from common.model.draft.registry import AttentionWidths, DraftFamily, StateDictAdapter, register
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 # vLLM reads the draft's config.json as a DeepseekV2Config. Not "deepseek_v3": vLLM's speculative config rewrites
@@ -279,6 +279,15 @@ def kv_bytes_per_token(d: DeepseekEagle3Config, tensor_parallel_size: int, bytes
     return d.num_hidden_layers * (d.kv_lora_rank + d.qk_rope_head_dim) * bytes_per_value
 
 
+def attention_widths(d: DeepseekEagle3Config) -> AttentionWidths:
+    """What MLAAttention.forward keeps per token (04's memory planner): q and k of nope + rope per head, v and the
+    output of v_head_dim per head, cos/sin of the rope slice, and the q latent (q_a_proj's output, with q_lora_rank)
+    and the kv latent (kv_a_proj_with_mqa's latent part), each through its RMSNorm into q_b_proj / kv_b_proj."""
+    nh = d.num_attention_heads
+    return AttentionWidths(q=nh * d.qk_head_dim, k=nh * d.qk_head_dim, v=nh * d.v_head_dim, out=nh * d.v_head_dim,
+                           rope=d.qk_rope_head_dim, normed_latents=(d.q_lora_rank or 0) + d.kv_lora_rank)
+
+
 DEEPSEEK_EAGLE3_FAMILY = register(DraftFamily(
     architecture=ARCHITECTURE,  # what vLLM's deepseek_eagle3.py serves
     aliases=("Eagle3DeepseekV3ForCausalLM",),  # vLLM's alias of the same class
@@ -289,6 +298,7 @@ DEEPSEEK_EAGLE3_FAMILY = register(DraftFamily(
     trainable_params=trainable_params,
     largest_param=largest_param,
     kv_bytes_per_token=kv_bytes_per_token,
+    attention_widths=attention_widths,
     fsdp_unit_classes=(),  # one unit, as the Llama draft (a layer runs once per TTT step)
     # draft.* keys build_mla_draft_config reads: not head_dim or num_key_value_heads (the MLA sizes are the target's)
     draft_keys=frozenset({"hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rope_theta",

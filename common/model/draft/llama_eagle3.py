@@ -42,7 +42,7 @@ from common.model.draft.attention import ATTENTION_BACKENDS, ATTN_SCORES_BYTES, 
 from common.model.draft.contract import DraftModelContract
 from common.model.draft.config import ACTIVATIONS, OFFICIAL_ARCHITECTURE, DraftModelConfig, build_draft_config
 from common.model.draft.layout import PackedLayout, _wide, squeeze_row
-from common.model.draft.registry import DraftFamily, StateDictAdapter, register
+from common.model.draft.registry import DraftFamily, StateDictAdapter, grouped_query_widths, register
 
 
 class RMSNorm(nn.Module):
@@ -431,6 +431,7 @@ LLAMA_EAGLE3_FAMILY = register(DraftFamily(
     trainable_params=trainable_params,
     largest_param=largest_param,
     kv_bytes_per_token=kv_bytes_per_token,
+    attention_widths=grouped_query_widths,  # q/k/v_proj from the layer input, rotary over the whole head
     fsdp_unit_classes=(),  # one unit: a layer runs once per TTT step (common.core.distributed.wrap_parallel says why)
     draft_keys=None,  # build_draft_config reads every draft.* key
     label="the Llama draft",

@@ -57,6 +57,29 @@ def _renamed(name: str, prefixes) -> str:
 
 
 @dataclass(frozen=True)
+class AttentionWidths:
+    """What one decoder layer's attention holds per token, in values (04's memory planner multiplies them by the
+    bytes of the dtype each is kept in): the family's layout, so the planner names no family's internals."""
+
+    q: int  # q after the rotary, all heads
+    k: int  # the key each TTT step keeps for the later steps, all (KV) heads
+    v: int  # the value, likewise
+    out: int  # the attention's output, o_proj's input
+    rope: int  # the rotary's cos (and sin) width
+    # values inside the attention that pass an RMSNorm into a projection (MLA's q and kv latents), each kept for the
+    # backward as the norm's fp32 input and its output; 0 when q/k/v come straight from the layer input
+    normed_latents: int = 0
+
+
+def grouped_query_widths(config) -> AttentionWidths:
+    """q/k/v projections straight from the layer input (a Llama layer): num_attention_heads q heads and
+    num_key_value_heads k and v heads, all of head_dim, rotary over the whole head."""
+    hd = config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return AttentionWidths(q=q, k=kv, v=kv, out=q, rope=hd)
+
+
+@dataclass(frozen=True)
 class DraftFamily:
     """One draft architecture: what 04 trains, the export writes and the loaders read, and what the planners count.
     Its config and model classes implement the draft contract (common/model/draft/contract.py)."""
@@ -75,6 +98,9 @@ class DraftFamily:
     # serving sizing (common/serving/sizing.py): KV cache bytes one token takes in the draft's layers on one GPU,
     # (config, tensor_parallel_size, bytes per cached value) -> bytes
     kv_bytes_per_token: Callable[[Any, int, int], int]
+    # 04's memory planner: the widths one layer's attention holds per token (AttentionWidths); the default reads
+    # num_attention_heads / num_key_value_heads / head_dim as a Llama layer lays them out
+    attention_widths: Callable[[Any], AttentionWidths] = grouped_query_widths
     # module classes FSDP shards as units of their own inside the draft (common.core.distributed.wrap_parallel);
     # () = the whole draft is one unit
     fsdp_unit_classes: tuple[type, ...] = ()
