@@ -123,7 +123,8 @@ def build_bench_step(spec: dict, device, gen: torch.Generator, *, ttt_steps: int
                               num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"], num_hidden_layers=1,
                               max_position_embeddings=max(4096, max_len + 16), vocab_size=V, draft_vocab_size=Vd,
                               target_hidden_size=H, aux_layer_ids=[2, 30, 58], rope_theta=500000.0)
-    attention, attention_why = choose_attention(attention, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device)
+    attention, attention_why = choose_attention(attention, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device,
+                                               cfg.value_head_dim)
     torch.manual_seed(0)
     with torch.device(device):
         draft = family.build(cfg, attention=attention, gradient_checkpointing=gradient_checkpointing)

@@ -137,9 +137,12 @@ def check_servable_on_cpu(cfg: Config, draft: Path) -> None:
     if cuda_available() or not latent_attention(Path(cfg.target.model) / "config.json"):
         return
     if not latent_attention(draft / "config.json"):
+        from common.model.draft.registry import latent_attention_families
+
+        mla = " or ".join(f"{f.label or 'the draft'} (draft.architecture: {f.architecture})" for f in latent_attention_families())
         raise ConfigError(f"vLLM-CPU cannot serve the MLA target {cfg.target.model} with the draft {draft}, whose attention is "
                           f"not MLA (its MLA kernel takes block size 16 only, the draft's attention multiples of 32); "
-                          f"train the MLA draft (draft.architecture: Eagle3DeepseekV2ForCausalLM), or run 05 on a GPU")
+                          f"train {mla}, or run 05 on a GPU")
 
 
 def checked_draft(cfg: Config, layout: Layout, draft_dir: Optional[str], foreign_draft: bool) -> CheckedDraft:

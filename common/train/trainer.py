@@ -160,7 +160,8 @@ class Trainer:
         if not self.on_gpu:
             torch.use_deterministic_algorithms(True, warn_only=True)
         d = self.draft_cfg
-        attention, attention_why = choose_attention(t.attention_impl, d.num_attention_heads, d.num_key_value_heads, d.head_dim, env.device)
+        attention, attention_why = choose_attention(t.attention_impl, d.num_attention_heads, d.num_key_value_heads, d.head_dim, env.device,
+                                                   d.value_head_dim)
         draft = self.family.build(d, attention=attention,
                                   gradient_checkpointing=self.memory_plan.setting["gradient_checkpointing"])  # as planned (null: auto)
         draft.load_target_embedding(target["embed"].float())

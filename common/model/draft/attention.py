@@ -388,8 +388,10 @@ class AttentionBackend:
         """Why this backend cannot run forward and backward on `device`, or None."""
         return None
 
-    def self_check(self, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> str | None:
-        """Why this backend must not be picked by itself here (it fails or disagrees with "chunked"), or None."""
+    def self_check(self, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+                   value_head_dim: int | None = None) -> str | None:
+        """Why this backend must not be picked by itself here (it fails or disagrees with "chunked"), or None.
+        value_head_dim: the value heads' width when it is not head_dim (MLA)."""
         return None
 
 
@@ -416,7 +418,7 @@ class FlexAttention(AttentionBackend):
     def unsupported(self, device):
         return None if device.type == "cuda" else "flex_attention has no CPU backward"
 
-    def self_check(self, heads, kv_heads, head_dim, device):
+    def self_check(self, heads, kv_heads, head_dim, device, value_head_dim=None):
         """None when flex's forward and backward run at this head layout and equal the chunked attention's (bf16
         tolerance); else why not, in a few words (e.g. PyTorch #198224: flex's backward fails on SM120 for
         head_dim > 128)."""
@@ -424,9 +426,9 @@ class FlexAttention(AttentionBackend):
             g = torch.Generator(device=device).manual_seed(0)  # its own generator: the caller's RNG stream is untouched
             seq_lens, steps = [200, 56], 3
             T = sum(seq_lens)
-            make = lambda h: torch.randn(T, h, head_dim, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+            make = lambda h, d=head_dim: torch.randn(T, h, d, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
             q = make(heads)
-            ks, vs = [make(kv_heads) for _ in range(steps)], [make(kv_heads) for _ in range(steps)]
+            ks, vs = [make(kv_heads) for _ in range(steps)], [make(kv_heads, value_head_dim or head_dim) for _ in range(steps)]
             results = []
             for backend in (self, ATTENTION_BACKENDS["chunked"]):
                 meta = AttentionMeta(PackedLayout.build(seq_lens, T, device), impl=backend.name)
@@ -446,9 +448,11 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (ChunkedAt
 AUTO_PREFERENCE = ("flex", "chunked")  # what "auto" tries, in order; chunked runs everywhere
 
 
-def choose_attention(requested: str, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> tuple[str, str]:
+def choose_attention(requested: str, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+                     value_head_dim: int | None = None) -> tuple[str, str]:
     """train.attention_impl resolved to a backend name, and why (04 prints it): a named backend where it can run on
-    `device`; "auto" = the first of AUTO_PREFERENCE that can run here and passes its self-check."""
+    `device`; "auto" = the first of AUTO_PREFERENCE that can run here and passes its self-check at the draft's head
+    layout (value_head_dim: the value heads' width where it is not head_dim, as MLA's)."""
     if requested != "auto":
         if requested not in ATTENTION_BACKENDS:
             raise ConfigError(f"train.attention_impl={requested!r} is unknown; use auto or one of {sorted(ATTENTION_BACKENDS)}")
@@ -461,7 +465,7 @@ def choose_attention(requested: str, heads: int, kv_heads: int, head_dim: int, d
         backend = ATTENTION_BACKENDS[name]
         why_not = backend.unsupported(device)
         if why_not is None:
-            problem = backend.self_check(heads, kv_heads, head_dim, device)
+            problem = backend.self_check(heads, kv_heads, head_dim, device, value_head_dim)
             if problem is None:
                 if name == "chunked":  # the fallback: say why the others were passed over
                     return name, "; ".join(passed_over) or "train.attention_impl auto"

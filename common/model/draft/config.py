@@ -64,6 +64,11 @@ class DraftModelConfig(DraftConfigContract):  # the Llama family's; the contract
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
 
+    @property
+    def value_head_dim(self) -> int:
+        """The width of a value head (the attention output's per head): head_dim here."""
+        return self.head_dim
+
     def to_vllm_config(self, **extra) -> dict:
         """config.json of the official EAGLE-3 format that vLLM loads (docs/design.md#vllm-checkpoint-format).
 

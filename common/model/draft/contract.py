@@ -10,7 +10,7 @@ Who asks what:
                                             parameters (requires_grad: the trainable ones)
     the trainer (common/train/trainer.py)   family.build_config, family.build; load_target_embedding, embedding,
                                             set_vocab_map, draft_vocab_target_ids, head_weight, attention_impl; the
-                                            config's num_attention_heads / num_key_value_heads / head_dim choose the
+                                            config's num_attention_heads / num_key_value_heads / head_dim / value_head_dim choose the
                                             attention backend (choose_attention)
     init_from (common/train/init_from.py)   the config's sizes and aux_layer_ids (dataclasses.replace),
                                             head_weight, draft_vocab_target_ids, HEAD_TENSOR, EMBEDDING_TENSOR,
@@ -66,6 +66,11 @@ class DraftConfigContract(Protocol):
     @property
     def num_aux(self) -> int:
         """How many aux hidden states the draft reads (len(aux_layer_ids))."""
+        ...
+
+    @property
+    def value_head_dim(self) -> int:
+        """A value head's width (MLA: v_head_dim, narrower than head_dim; Llama: head_dim)."""
         ...
 
     def to_vllm_config(self, **extra) -> dict:

