@@ -228,8 +228,10 @@ def test_chunked_attention_equals_naive_outputs_and_grads(seq_lens, chunk, steps
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def _outputs_and_grads(model, seq, steps, impl, chunk=4, gc=False):
-    aux, ids, pos = make_row(seq)
+def outputs_and_grads(model, seq, steps, impl, chunk=4, gc=False, row=None):
+    """The TTT logits of one packed row (`row` = (aux, ids, pos), default make_row(seq)) and the gradients of a
+    fixed random projection of them, with attention `impl`."""
+    aux, ids, pos = row if row is not None else make_row(seq)
     aux = aux.to(model.fc.weight.dtype).requires_grad_(True)
     model.zero_grad(set_to_none=True)
     model.attention_impl, model.attn_chunk_size, model.gradient_checkpointing = impl, chunk, gc
@@ -243,6 +245,16 @@ def _outputs_and_grads(model, seq, steps, impl, chunk=4, gc=False):
     return [l.detach() for l in logits], grads
 
 
+def assert_same_outputs_and_grads(got: tuple, ref: tuple, atol: float) -> None:
+    """Two outputs_and_grads results equal up to `atol`, every logit and every gradient."""
+    (out, grads), (ref_out, ref_grads) = got, ref
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=atol, msg=name)
+
+
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_model_chunked_equals_naive_outputs_and_grads(layers):
     """In float64, so that equal means equal: the chunked attention (its hand-written backward included) is the
@@ -250,14 +262,9 @@ def test_model_chunked_equals_naive_outputs_and_grads(layers):
     model = make_model(num_hidden_layers=layers).double()
     model.rotary.inv_freq = model.rotary.inv_freq.double()
     seq = [7, 2, 9, 1, 5]
-    ref_out, ref_grads = _outputs_and_grads(model, seq, 3, "naive")
+    ref = outputs_and_grads(model, seq, 3, "naive")
     for chunk, gc in [(4, False), (3, False), (100, False), (4, True)]:  # gradient checkpointing changes nothing
-        out, grads = _outputs_and_grads(model, seq, 3, "chunked", chunk=chunk, gc=gc)
-        for a, b in zip(out, ref_out):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-        assert set(grads) == set(ref_grads)
-        for name in grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-10, msg=name)
+        assert_same_outputs_and_grads(outputs_and_grads(model, seq, 3, "chunked", chunk=chunk, gc=gc), ref, 1e-10)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

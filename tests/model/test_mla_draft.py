@@ -28,6 +28,7 @@ from common.train.data import MicroBatch
 from common.train.init_from import InitDraft, draft_family_for
 from common.train.memory_plan import draft_config_from, plan_memory
 from common.train.step import StepSettings, build_step
+from tests.model.test_draft_model import assert_same_outputs_and_grads, outputs_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -225,19 +226,6 @@ def test_chunked_attention_equals_naive_with_v_heads_of_another_width(seq_lens, 
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def _outputs_and_grads(model, seq, steps, impl, chunk):
-    aux, ids, pos = make_row(seq, offset=3000)
-    aux = aux.double().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    model.attention_impl, model.attn_chunk_size = impl, chunk
-    logits = model.forward_ttt(aux, ids, pos, seq, steps)
-    g = torch.Generator().manual_seed(7)
-    loss = sum((l * torch.randn(l.shape, generator=g, dtype=l.dtype)).sum() / math.sqrt(l.numel()) for l in logits)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return [l.detach() for l in logits], {**grads, "aux": aux.grad.clone()}
-
-
 @pytest.mark.parametrize("layers", [1, 2])
 def test_model_chunked_equals_naive_through_ttt_steps(layers):
     """The whole MLA draft (yarn rope, its softmax scale) through 4 TTT steps in float64: chunked == naive, outputs
@@ -245,14 +233,10 @@ def test_model_chunked_equals_naive_through_ttt_steps(layers):
     model = mla_model(num_hidden_layers=layers, rope_scaling=KIMI_YARN).double()
     model.rotary.inv_freq = model.rotary.inv_freq.double()
     seq = [7, 2, 9, 1]
-    ref_out, ref_grads = _outputs_and_grads(model, seq, 4, "naive", 4)
+    row = make_row(seq, offset=3000)  # positions past yarn's original 4096 / 64 range
+    ref = outputs_and_grads(model, seq, 4, "naive", row=row)
     for chunk in (4, 3, 100):
-        out, grads = _outputs_and_grads(model, seq, 4, "chunked", chunk)
-        for a, b in zip(out, ref_out):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-        assert set(grads) == set(ref_grads)
-        for name in grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-10, msg=name)
+        assert_same_outputs_and_grads(outputs_and_grads(model, seq, 4, "chunked", chunk, row=row), ref, 1e-10)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -28,15 +28,21 @@ SIZES = {
 }
 
 
+def probe_peak(cfg: Path, *args: str) -> dict:
+    """tests/train/memory_probe.py over 3 training steps of the run `cfg`, in a fresh process: its result line
+    (peak_bytes, estimate_bytes, estimate, step_peaks)."""
+    out = subprocess.run([sys.executable, str(PROBE), str(cfg), "3", *args], env=stage_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
 @pytest.mark.parametrize("size", list(SIZES))
 def test_estimate_bounds_the_measured_peak(hidden_run, tmp_path, size):
     """04's printed estimate vs the allocator's peak over 3 training steps (steady state: AdamW state
     exists from step 2), in a fresh process (tests/train/memory_probe.py explains the measurement)."""
     cfg = clone_run(hidden_run, tmp_path, max_steps=3, eval_every=0, checkpoint_every=100)
-    out = subprocess.run([sys.executable, str(PROBE), str(cfg), "3", *SIZES[size]], env=stage_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    r = probe_peak(cfg, *SIZES[size])
     measured, estimate = r["peak_bytes"], r["estimate_bytes"]
     print(f"{size}: measured {measured / 1e6:.2f} MB, estimated {estimate / 1e6:.2f} MB "
           f"({estimate / measured:.2f}x): {r['estimate']}")

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, stage_env
+from tests.helpers import REPO
 from tests.train.mla_run import build_mla_run, build_mla_target
-from tests.train.test_memory_plan import PROBE
+from tests.train.test_memory_plan import probe_peak
 
 # The estimate's margin over the measured peak here (1.02x and 1.06x measured). Tighter than the Llama test's 1.3: the
 # planner that counted v at the q/k width and left the latents out planned 1.07x and ~1.2x on these runs, and a margin
@@ -113,10 +113,7 @@ def test_estimate_bounds_the_measured_peak_of_the_mla_draft(mla_run, tmp_path, s
         tree["draft"]["intermediate_size"] = 512
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(tree))
-    out = subprocess.run([sys.executable, str(PROBE), str(cfg), "3"], env=stage_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    r = probe_peak(cfg)
     measured, estimate = r["peak_bytes"], r["estimate_bytes"]
     print(f"{size}: measured {measured / 1e6:.2f} MB, estimated {estimate / 1e6:.2f} MB ({estimate / measured:.2f}x): "
           f"{r['estimate']}")
