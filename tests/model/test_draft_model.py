@@ -270,9 +270,12 @@ def test_model_chunked_equals_naive_outputs_and_grads(layers):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_attention_forward_equals_naive():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    model = make_model(num_hidden_layers=2)
-    seq = [5, 3, 6]
-    aux, ids, pos = make_row(seq)
+    assert_flex_forward_equals_naive(make_model(num_hidden_layers=2), make_row([5, 3, 6]), [5, 3, 6])
+
+
+def assert_flex_forward_equals_naive(model, row: tuple, seq: list[int]) -> None:
+    """3 TTT steps over the packed row (aux, ids, pos) of samples `seq`: flex's logits are naive's (fp32)."""
+    aux, ids, pos = row
     with torch.no_grad():  # flex has no CPU backward; CUDA runs it compiled
         model.attention_impl = "naive"
         ref = model.forward_ttt(aux, ids, pos, seq, 3)

@@ -28,7 +28,8 @@ from common.train.data import MicroBatch
 from common.train.init_from import InitDraft, draft_family_for
 from common.train.memory_plan import draft_config_from, plan_memory
 from common.train.step import StepSettings, build_step
-from tests.model.test_draft_model import assert_same_outputs_and_grads, outputs_and_grads
+from tests.model.test_draft_model import (assert_flex_forward_equals_naive, assert_same_outputs_and_grads,
+                                         outputs_and_grads)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -243,15 +244,7 @@ def test_model_chunked_equals_naive_through_ttt_steps(layers):
 def test_flex_attention_forward_equals_naive():
     pytest.importorskip("torch.nn.attention.flex_attention")
     model = mla_model(num_hidden_layers=2, rope_scaling=KIMI_YARN)
-    seq = [5, 3, 6]
-    aux, ids, pos = make_row(seq)
-    with torch.no_grad():  # flex has no CPU backward; CUDA runs it compiled
-        model.attention_impl = "naive"
-        ref = model.forward_ttt(aux, ids, pos, seq, 3)
-        model.attention_impl = "flex"
-        out = model.forward_ttt(aux, ids, pos, seq, 3)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert_flex_forward_equals_naive(model, make_row([5, 3, 6]), [5, 3, 6])
 
 
 # ---------------------------------------------------------------------------------------------- (3) export
