@@ -124,19 +124,11 @@ def check_servable_on_cpu(cfg: Config, draft: Path) -> None:
     MLA kernel takes block size 16 only and its attention for ordinary heads multiples of 32, so a Llama-style draft
     fails at engine start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])", checked
     2026-12-07). Said in one line before vLLM starts. On a GPU both kinds serve."""
-    from common.serving.vllm_server import cuda_available
+    from common.serving.vllm_server import cuda_available, latent_attention
 
-    def latent_attention(config_json: Path) -> bool:
-        try:
-            doc = json.loads(config_json.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return False  # a hub id, or a file check_draft reports on
-        text = doc.get("text_config") or doc if isinstance(doc, dict) else None
-        return isinstance(text, dict) and bool(text.get("kv_lora_rank"))
-
-    if cuda_available() or not latent_attention(Path(cfg.target.model) / "config.json"):
+    if cuda_available() or not latent_attention(cfg.target.model):
         return
-    if not latent_attention(draft / "config.json"):
+    if not latent_attention(draft):
         from common.model.draft.registry import latent_attention_families
 
         mla = " or ".join(f"{f.label or 'the draft'} (draft.architecture: {f.architecture})" for f in latent_attention_families())

@@ -75,12 +75,19 @@ def cpu_attention_backend(model: str | os.PathLike, dtype: str) -> Optional[str]
     """
     if dtype != "float32" or cuda_available():
         return None
+    return "CPU_MLA" if latent_attention(model) else None
+
+
+def latent_attention(model: str | os.PathLike) -> bool:
+    """Whether the model folder's config.json (or its text_config) has MLA's latent (`kv_lora_rank`): a target or a
+    draft that vLLM serves on its MLA attention backend. False for a hub id or no readable config.json (vLLM reports
+    what it cannot load)."""
     try:
         config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # a hub id or no config: vLLM reports what it cannot load
-    text = config.get("text_config") or config
-    return "CPU_MLA" if isinstance(text, dict) and text.get("kv_lora_rank") else None
+        return False
+    text = config.get("text_config") or config if isinstance(config, dict) else None
+    return isinstance(text, dict) and bool(text.get("kv_lora_rank"))
 
 
 def cpu_thread_binding(tensor_parallel_size: int) -> Optional[str]:
