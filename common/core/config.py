@@ -264,7 +264,9 @@ class EvaluateConfig:
     # the prompt set named "other"
     other_prompts: Optional[str] = None
     # more prompt sets 05 measures, {name: source}: a local .json/.jsonl/.parquet file or directory, a datasets hub
-    # name (split "test"), or {source, subset, split}; rows in the benchmark shapes (common/evaluate/prompt_sets.py)
+    # name (split "test"), or {source, subset, split}; rows in the benchmark shapes (common/evaluate/prompt_sets.py);
+    # or a set 05 builds from the eval split: {built: long_context, buckets?, prompts_per_bucket?} or
+    # {built: system_prompts} (common/evaluate/built_sets.py)
     prompt_sets: dict = field(default_factory=dict)
     # also replay vLLM's rounds over the exact outputs vLLM served (loads the target in transformers: for small targets)
     replay_served: bool = False
@@ -273,7 +275,7 @@ class EvaluateConfig:
         self.prompt_set_specs()  # checked when the config is loaded, not when 05 reaches the set
 
     def prompt_set_specs(self) -> dict[str, dict]:
-        """prompt_sets as {name: {"source", "subset", "split"}}, in name order (the order of a config's keys is not
+        """prompt_sets as {name: {"source", "subset", "split"}} (a built set: {"built", ...}), in name order (the order of a config's keys is not
         kept: config_from_dict copies the tree through yaml.safe_dump). A name becomes a file name (eval/outputs-NAME.jsonl)."""
         from common.core.run_folder import HELD_OUT, OTHER
 
@@ -287,6 +289,9 @@ class EvaluateConfig:
             if taken:
                 raise ConfigError(f"config key '{key}': the name '{name}' is taken ({taken}); name the set otherwise")
             spec = {"source": spec} if isinstance(spec, str) else spec
+            if isinstance(spec, dict) and "built" in spec:  # made by 05 from the run's eval split
+                specs[name] = built_prompt_set_spec(key, spec)
+                continue
             valid = (isinstance(spec, dict) and set(spec) <= {"source", "subset", "split"} and isinstance(spec.get("source"), str)
                      and bool(spec["source"].strip()) and all(isinstance(spec.get(k), (str, type(None))) for k in ("subset", "split")))
             if not valid:
@@ -294,6 +299,33 @@ class EvaluateConfig:
                                   f"{{source: ..., subset: ..., split: ...}}, got {spec!r}")
             specs[name] = {"source": spec["source"], "subset": spec.get("subset"), "split": spec.get("split") or "test"}
         return dict(sorted(specs.items()))
+
+
+BUILT_PROMPT_SETS = ("long_context", "system_prompts")  # common/evaluate/built_sets.py makes them
+DEFAULT_PROMPTS_PER_BUCKET = 4
+
+
+def built_prompt_set_spec(key: str, spec: dict) -> dict:
+    """A built set as configured ({built, buckets?, prompts_per_bucket?}) -> {"built", "buckets", "prompts_per_bucket"}
+    (the last two for long_context only; buckets None: up to the target's context); else one ConfigError."""
+    kind = spec.get("built")
+    if kind not in BUILT_PROMPT_SETS:
+        raise ConfigError(f"config key '{key}.built' must be one of {', '.join(BUILT_PROMPT_SETS)}, got {kind!r}")
+    allowed = {"built", "buckets", "prompts_per_bucket"} if kind == "long_context" else {"built"}
+    if set(spec) - allowed:
+        raise ConfigError(f"config key '{key}': a built {kind} set takes {', '.join(sorted(allowed))}, "
+                          f"got {', '.join(sorted(set(spec) - allowed))}")
+    if kind != "long_context":
+        return {"built": kind}
+    buckets, per_bucket = spec.get("buckets"), spec.get("prompts_per_bucket", DEFAULT_PROMPTS_PER_BUCKET)
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if buckets is not None and not (isinstance(buckets, list) and buckets and all(is_int(b) and b >= 16 for b in buckets)
+                                    and buckets == sorted(set(buckets))):
+        raise ConfigError(f"config key '{key}.buckets' must be increasing prompt lengths in tokens (each at least 16), "
+                          f"or left out (up to the target's context), got {buckets!r}")
+    if not (is_int(per_bucket) and 1 <= per_bucket <= 10_000):
+        raise ConfigError(f"config key '{key}.prompts_per_bucket' must be an integer from 1 to 10000, got {per_bucket!r}")
+    return {"built": kind, "buckets": buckets, "prompts_per_bucket": per_bucket}
 
 
 @dataclass

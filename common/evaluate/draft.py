@@ -7,6 +7,11 @@
   (train/final, train/best; common.train.export): 04's eval at the export's step, wherever the directory
   was copied to, is the prediction (the replay of vLLM's rounds, common.model.acceptance, or the product
   formula). A draft directory without one gets none, and says why (`Offline.missing`).
+- `prediction_on_prompts`: that prediction on exactly the prompts 05 measured. 04's eval replays every eval sample
+  and every assistant turn; 05 sends the first num_prompts held-out prompts, first turn only. 04 keeps each eval
+  sample's first-turn replay counts (common.train.offline_eval.FirstTurnReplay), and 05 sums those of its own
+  prompts: the counts add up exactly (acceptance length = 1 + accepted / rounds over the chosen samples), so the
+  like-with-like prediction costs neither a forward pass here nor a second replay in 04.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Optional
 from common.core.config import Config
 from common.core.errors import ConfigError, DataError, PipelineError
 from common.core.io import file_sha256, read_json
-from common.core.json_fields import INTEGER, NUMBER, NUMBERS, OBJECT, check_fields, or_null
+from common.core.json_fields import INTEGER, NUMBER, NUMBERS, OBJECT, STRINGS, Kind, check_fields, or_null
 from common.core.run_folder import PREDICTION_JSON, Layout, content_fingerprint
 from common.hidden.shards import check_index_fields
 
@@ -33,6 +38,7 @@ class Offline:
 
     prediction: Optional[dict] = None
     missing: Optional[str] = None
+    first_turn: Optional[dict] = None  # 04's eval's "replay_first_turn" (per eval sample), for prediction_on_prompts
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ def offline_prediction(cfg: Config, draft: Path) -> Offline:
         return Offline(missing=f"cannot read 04's prediction {path} ({e}); re-export the draft (rerun 04_train.py)")
     if isinstance(record, dict) and isinstance(record.get("eval"), dict):
         check_prediction_fields(record["eval"], path)
-        return Offline(prediction=offline_report(cfg, record["eval"], path, draft))
+        return Offline(prediction=offline_report(cfg, record["eval"], path, draft), first_turn=record["eval"].get("replay_first_turn"))
     if isinstance(record, dict) and isinstance(record.get("missing"), str):  # 04 had no eval at the export's step
         return Offline(missing=f"{record['missing']} ({path})")
     return Offline(missing=f"{path} holds neither 04's eval nor why there is none (an object with \"eval\" or "
@@ -176,7 +182,9 @@ def offline_prediction(cfg: Config, draft: Path) -> Offline:
 
 # The JSON types of the fields of prediction.json's "eval" (04's eval line) that offline_report computes with, by k
 # for tau and replay (null: none, as offline_report reads it).
-PREDICTION_FIELDS = {"step": or_null(INTEGER), "step_acc": or_null(NUMBERS), "tau": or_null(OBJECT), "replay": or_null(OBJECT)}
+PREDICTION_FIELDS = {"step": or_null(INTEGER), "step_acc": or_null(NUMBERS), "tau": or_null(OBJECT), "replay": or_null(OBJECT),
+                     "replay_first_turn": or_null(OBJECT)}
+FIRST_TURN_FIELDS = {"sample_ids": STRINGS, "counts": OBJECT}
 REPLAY_FIELDS = {"acceptance_length": NUMBER, "per_position": NUMBERS, "rounds": INTEGER}
 
 
@@ -190,6 +198,47 @@ def check_prediction_fields(rep: dict, path: Path) -> None:
     check_fields(replays, dict.fromkeys(replays, OBJECT), path, fix, where="eval.replay.")
     for k, replay in replays.items():
         check_fields(replay, REPLAY_FIELDS, path, fix, where=f"eval.replay.{k}.", required=REPLAY_FIELDS)
+    first = rep.get("replay_first_turn")
+    if first is not None:
+        check_fields(first, FIRST_TURN_FIELDS, path, fix, where="eval.replay_first_turn.", required=FIRST_TURN_FIELDS)
+        n = len(first["sample_ids"])
+        for k, rows in first["counts"].items():
+            # one row per sample: [rounds, accepted at each of the k positions]
+            width = int(k) + 1 if k.isdigit() else None
+            shape = Kind(f"a list of {n} lists of {width} integers (rounds, then accepted per position)" if width
+                         else "keyed by k (1, 2, ...)",
+                         lambda v, width=width: bool(width) and isinstance(v, list) and len(v) == n
+                         and all(isinstance(r, list) and len(r) == width and all(map(INTEGER.accepts, r)) for r in v))
+            check_fields(first["counts"], {k: shape}, path, fix, where="eval.replay_first_turn.counts.")
+
+
+def prediction_on_prompts(offline: Offline, prompt_ids: list[str], k: int) -> dict:
+    """04's replay of the first assistant turn summed over these prompts (05's held-out prompts): the prediction on
+    the very prompts 05 measured, or {"missing": why}. A prompt 04 has no sample of (01b failed it, 01b's tokenizing
+    left it out) is counted and named, not guessed."""
+    from common.model.acceptance import ReplayCounts
+
+    where = "predicted_on"
+    label = "05's held-out prompts, first turn (04's replay of each prompt's first assistant turn, summed)"
+    if offline.first_turn is None:
+        why = offline.missing or ("04's prediction has no per-sample replay (prediction.json made by an earlier "
+                                  "version of this pipeline: rerun 04_train.py --overwrite)")
+        return {where: label, "missing": why}
+    rows = offline.first_turn["counts"].get(str(k))
+    if rows is None:
+        return {where: label, "missing": f"04's eval replayed k up to {len(offline.first_turn['counts'])}, not k={k}"}
+    row_of = {sid: i for i, sid in enumerate(offline.first_turn["sample_ids"])}
+    counts, absent = ReplayCounts(k), [pid for pid in prompt_ids if pid not in row_of]
+    for pid in prompt_ids:
+        if pid in row_of:
+            rounds, *accepted = rows[row_of[pid]]
+            counts.add(ReplayCounts(k, rounds, list(accepted)))
+    if not counts.rounds:
+        return {where: label, "missing": f"none of the {len(prompt_ids)} prompts has a replayed round in 04's eval split"}
+    return {where: label, "expected_acceptance_length": counts.acceptance_length,
+            "expected_per_position": counts.per_position, "replay_rounds": counts.rounds,
+            "num_prompts": len(prompt_ids) - len(absent),
+            **({"not_in_04s_eval": {"count": len(absent), "first": absent[0]}} if absent else {})}
 
 
 def offline_report(cfg: Config, rep: dict, path: Path, draft: Path) -> dict:
@@ -208,7 +257,8 @@ def offline_report(cfg: Config, rep: dict, path: Path, draft: Path) -> dict:
         tau = product_formula(acc, k)
     product = {"acceptance_length": tau, "per_position": product_per_position(acc, k)}
     replay = (rep.get("replay") or {}).get(str(k))
-    out = {"path": str(path), "draft": str(draft), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
+    out = {"predicted_on": "04's eval split: every sample, every assistant turn",
+           "path": str(path), "draft": str(draft), "step": rep.get("step"), "loss": rep.get("loss"), "step_acc": acc,
            "product_formula": product}
     if replay:
         return out | {"prediction": "replay", "expected_acceptance_length": replay["acceptance_length"],

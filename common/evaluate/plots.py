@@ -6,7 +6,9 @@
 plot_report, top left: per-position acceptance rate measured in vLLM, one group of bars per prompt set
 (the held-out prompts, then evaluate.other_prompts and evaluate.prompt_sets, each set's turn 2 after it), next to the offline
 prediction (04's replay of vLLM's rounds, common.model.acceptance). Top right: output tokens/s per set
-with and without the draft. Bottom: training loss, and per-step accuracy over training.
+with and without the draft. Middle: acceptance length per prompt set (and turn 2), with 04's prediction on the
+measured prompts and on its eval split; acceptance length per context-length bucket of each long-context set.
+Bottom: training loss, and per-step accuracy over training.
 plot_compare: acceptance length per set for both drafts, their per-position acceptance, and their
 tokens/s speedups. Rendered with matplotlib's Agg backend (no display).
 """
@@ -83,8 +85,10 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     import matplotlib.pyplot as plt
 
     curves = training_curves(metrics_path)
-    fig, grid = plt.subplots(2, 2, figsize=(14, 8.4))
-    axes = [grid[0][0], grid[1][0], grid[1][1], grid[0][1]]
+    fig, grid = plt.subplots(3, 2, figsize=(14, 12.6))
+    axes = [grid[0][0], grid[2][0], grid[2][1], grid[0][1]]
+    acceptance_per_set(grid[1][0], report)
+    acceptance_per_bucket(grid[1][1], report)
 
     # 1) per-position acceptance in vLLM, one group per prompt set, vs the offline prediction
     ax = axes[0]
@@ -164,6 +168,46 @@ def plot_report(report: dict, metrics_path: str | Path, out_path: str | Path) ->
     else:
         ax.text(0.5, 0.5, "no accuracy in train/metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
     return _save(fig, out_path)
+
+
+def acceptance_per_set(ax, report: dict) -> None:
+    """Acceptance length per prompt set (each set's turn 2 after it), and 04's predictions for the held-out prompts."""
+    by_set = {name: al for name, al in (report.get("acceptance_length_by_set") or {}).items() if isinstance(al, (int, float))}
+    _bars(ax, [("measured in vLLM", list(by_set.values()), _color(0))])
+    for what, key, style in (("04's prediction on these prompts", "offline_on_measured_prompts", "-"),
+                             ("04's prediction on its eval split", "offline", ":")):
+        predicted = (report.get(key) or {}).get("expected_acceptance_length")
+        if isinstance(predicted, (int, float)):
+            ax.axhline(predicted, color=_color(1), linestyle=style, linewidth=1, label=f"{what} ({predicted:.2f})")
+    ax.set_xticks(range(len(by_set)), [n.replace(" turn 2", "\nturn 2") for n in by_set], fontsize=8)
+    ax.set_ylabel("acceptance length")
+    ax.set_title("acceptance length per prompt set")
+    ax.legend(fontsize=8)
+
+
+def acceptance_per_bucket(ax, report: dict) -> None:
+    """Acceptance length per context-length bucket, one line per long-context set (x: the bucket's longest prompt)."""
+    sets = {name: part["buckets"] for name, part in _prompt_sets(report).items() if part.get("buckets")}
+    if not sets:
+        ax.text(0.5, 0.5, "no long-context prompt set", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    for i, (name, buckets) in enumerate(sets.items()):
+        points = [(b["prompt_tokens"][1], b["acceptance_length"]) for b in buckets.values() if b["acceptance_length"] is not None]
+        ax.plot([x for x, _ in points], [y for _, y in points], "o-", color=_color(i + 2), label=name)
+        for x, y in points:
+            ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+    held_out = report.get("acceptance_length")
+    if isinstance(held_out, (int, float)):
+        ax.axhline(held_out, color=_color(0), linestyle="--", linewidth=1, label=f"held-out ({held_out:.2f})")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({b["max_prompt_tokens"] for buckets in sets.values() for b in buckets.values()})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt length in tokens (each bucket's longest prompt; ticks: the buckets' bounds)")
+    ax.set_ylabel("acceptance length")
+    ax.set_title("acceptance length per context length")
+    ax.legend(fontsize=8)
 
 
 def plot_compare(comparison: dict, out_path: str | Path) -> Path:

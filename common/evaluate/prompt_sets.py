@@ -53,11 +53,14 @@ class PromptSet:
     rows_read: int = 0
     rows_skipped: dict = field(default_factory=dict)  # {reason: count}
     first_skipped: Optional[str] = None  # where the first skipped row is
+    buckets: dict = field(default_factory=dict)  # a long-context set's {category: its bound in tokens} (built_sets)
+    built: Optional[dict] = None  # a built set's kind and how it was built (common.evaluate.built_sets)
 
     def describe(self) -> dict:
         """Its part of the report, beside the measurements."""
         return {"source": self.source, "rows_read": self.rows_read, "rows_skipped": self.rows_skipped,
-                **({"first_skipped": self.first_skipped} if self.first_skipped else {})}
+                **({"first_skipped": self.first_skipped} if self.first_skipped else {}),
+                **({"built": self.built} if self.built else {})}
 
 
 # ----------------------------------------------------------------------------- one row
@@ -216,11 +219,16 @@ def configured_sets(cfg: Config) -> dict[str, tuple[str, dict]]:
 
 def load_prompt_set(cfg: Config, name: str, trained: Optional[set[str]] = None,
                     check: Optional[ContextCheck] = None) -> PromptSet:
-    """One set by name (HELD_OUT, OTHER or an evaluate.prompt_sets name), checked against the training prompts."""
+    """One set by name (HELD_OUT, OTHER or an evaluate.prompt_sets name), checked against the training prompts
+    (a built set is made from the eval split: common.evaluate.built_sets)."""
     check = check or context_check(cfg)
     if name == HELD_OUT:
         return held_out_set(cfg, check)
     key, spec = configured_sets(cfg)[name]
+    if spec.get("built"):
+        from common.evaluate.built_sets import build_prompt_set
+
+        return build_prompt_set(cfg, name, key, spec, check)
     prompt_set = read_prompt_set(name, key, spec, cfg.evaluate.num_prompts, check)
     refuse_training_prompts(prompt_set, training_texts(cfg) if trained is None else trained)
     return prompt_set
@@ -268,6 +276,8 @@ def check_sets_before_training(cfg: Config, rows: list[dict]) -> None:
     tokenizer: run_pipeline.py checks them before it starts vLLM, and 05 at its start."""
     trained = {_user_text(m) for r in rows if r.get("split") == "train" and (m := first_user_turn(r))}
     for name, (key, spec) in configured_sets(cfg).items():
+        if spec.get("built"):  # made from the eval split by 05 (common.evaluate.built_sets)
+            continue
         refuse_training_prompts(read_prompt_set(name, key, spec, cfg.evaluate.num_prompts, None), trained)
 
 

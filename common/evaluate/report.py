@@ -3,8 +3,10 @@
 - `build_report`: per prompt set, vLLM's acceptance (common.evaluate.serve), the tokens/s with and
   without the draft and vLLM's step times behind their ratio (common.evaluate.steps), and whether the outputs are identical (at temperature 0 they must be: speculative
   decoding is lossless; mismatches are counted and shown, never hidden); 04's prediction for the draft
-  (common.evaluate.draft) with its relative error; with evaluate.replay_served, the replay over the exact
-  token ids vLLM served (the same text on both sides: it checks the replay itself).
+  (common.evaluate.draft) with its relative error, twice: on 04's eval split (every sample, every assistant turn:
+  "offline") and on exactly the prompts 05 measured, first turn ("offline_on_measured_prompts": the like-with-like
+  error); with evaluate.replay_served, the replay over the exact token ids vLLM served (the same text on both
+  sides: it checks the replay itself). A long-context set's part has "buckets": acceptance per prompt length.
 - `write_report`: the plot (common.evaluate.plots), then report.json; a warning per set whose greedy
   outputs differ.
 - `summary_lines`: the held-out set's line (with the prediction), then one line per prompt set, + for a set
@@ -29,7 +31,7 @@ from common.core.config import Config
 from common.core.errors import DataError, PipelineError
 from common.core.io import atomic_write_json, read_json, write_jsonl_atomic
 from common.core.run_folder import HELD_OUT, OTHER, Layout
-from common.evaluate.draft import CheckedDraft, draft_fingerprint
+from common.evaluate.draft import CheckedDraft, draft_fingerprint, prediction_on_prompts
 from common.evaluate.prompt_sets import PromptSet
 from common.evaluate.serve import Baseline, DraftRun, SecondTurn, sampling_params
 from common.evaluate.steps import slowdown_line, step_times
@@ -124,6 +126,29 @@ def set_results(cfg: Config, prompts: list[dict], measured: DraftRun, baseline: 
     }
 
 
+def bucket_results(prompt_set: PromptSet, measured: DraftRun) -> dict:
+    """A long-context set's "buckets": {label: its bound, its prompts' lengths in tokens, and the acceptance of its
+    window} (each bucket is a category of the set: common.evaluate.built_sets)."""
+    out = {}
+    for label, bound in prompt_set.buckets.items():
+        lengths = [p["prompt_tokens"] for p in prompt_set.prompts if p.get("category") == label]
+        numbers = measured.categories.get(label) or {}
+        out[label] = {"max_prompt_tokens": bound, "prompt_tokens": [min(lengths), max(lengths)], "num_prompts": len(lengths),
+                      "acceptance_length": numbers.get("acceptance_length"),
+                      "per_position_acceptance": numbers.get("per_position_acceptance")}
+    return out
+
+
+def acceptance_by_set(report: dict) -> dict:
+    """{set (and "SET turn 2"): acceptance length}, the held-out set first: the sets side by side."""
+    out = {HELD_OUT: report.get("acceptance_length")}
+    for name, part in measured_sets(report).items():
+        out[name] = part.get("acceptance_length")
+        if (part.get("turn_2") or {}).get("acceptance_length") is not None:
+            out[f"{name} turn 2"] = part["turn_2"]["acceptance_length"]
+    return out
+
+
 def turn_2_results(cfg: Config, measured: Optional[DraftRun], baseline: Optional[SecondTurn]) -> Optional[dict]:
     """A set's "turn_2" (None for a set without later turns): its acceptance, its prompts and those left out (too
     long with the answer), and its outputs with vs without the draft; no acceptance when no prompt was left."""
@@ -167,6 +192,9 @@ def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft:
     """One draft's report.json: the held-out set's numbers at the top level, the other sets' under "prompt_sets"."""
     results = {name: set_results(cfg, s.prompts, measured[name], baselines[name], files.outputs_of(name))
                for name, s in sets.items()}
+    for name, s in sets.items():
+        if s.buckets:
+            results[name]["buckets"] = bucket_results(s, measured[name])
     prompt_sets = {name: {**s.describe(), **results[name],
                           "files": {"outputs": str(files.outputs_of(name)), "baseline": str(layout.baseline_of(name))}}
                    for name, s in sets.items() if name != HELD_OUT}
@@ -180,8 +208,12 @@ def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft:
         "sampling": sampling_params(cfg),
         **results[HELD_OUT],  # the held-out prompts: the headline numbers
         **({"rows_skipped": sets[HELD_OUT].rows_skipped} if sets[HELD_OUT].rows_skipped else {}),
-        "offline": draft.offline.prediction,
+        "offline": draft.offline.prediction,  # on 04's eval split, every assistant turn
         "offline_missing": draft.offline.missing,
+        # on exactly the prompts measured above (first turn): what the prediction error compares
+        "offline_on_measured_prompts": prediction_on_prompts(draft.offline, [p["id"] for p in sets[HELD_OUT].prompts],
+                                                             cfg.evaluate.num_speculative_tokens)
+        if draft.offline.prediction else None,
         "prompt_sets": prompt_sets,
         # the name of evaluate.other_prompts' section before evaluate.prompt_sets, kept: the same as prompt_sets.other
         "other_prompts": {"path": sets[OTHER].source, **prompt_sets[OTHER]} if OTHER in sets else None,
@@ -189,15 +221,23 @@ def build_report(cfg: Config, layout: Layout, sets: dict[str, PromptSet], draft:
                   "baseline": str(layout.baseline)},
         "created": time.time(),
     }
-    report["offline_prediction_error"] = prediction_error(report)
+    report["offline_prediction_error"] = prediction_error(report)  # on 04's eval split, as before
+    report["prediction_error"] = {"on_measured_prompts": prediction_error(report, "offline_on_measured_prompts"),
+                                  "on_eval_split": report["offline_prediction_error"]}
+    report["acceptance_length_by_set"] = acceptance_by_set(report)
+    buckets = {name: {label: b["acceptance_length"] for label, b in part["buckets"].items()}
+               for name, part in prompt_sets.items() if "buckets" in part}
+    if buckets:
+        report["acceptance_length_by_bucket"] = buckets
     if cfg.evaluate.replay_served:
         report["replay_on_served"] = replay_on_served(cfg, draft.path, sets[HELD_OUT].prompts, measured[HELD_OUT])
     return report
 
 
-def prediction_error(report: dict) -> Optional[float]:
-    """(offline prediction - vLLM measured) / measured, for the held-out prompts."""
-    predicted = (report.get("offline") or {}).get("expected_acceptance_length")
+def prediction_error(report: dict, prediction: str = "offline") -> Optional[float]:
+    """(offline prediction - vLLM measured) / measured, for the held-out prompts; prediction: the report's "offline"
+    (04's eval split) or "offline_on_measured_prompts" (the measured prompts themselves)."""
+    predicted = (report.get(prediction) or {}).get("expected_acceptance_length")
     measured = report.get("acceptance_length")
     if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured > 0:
         return (predicted - measured) / measured
@@ -300,6 +340,12 @@ def summary_lines(report: dict) -> list[str]:
         error = prediction_error(report)
         if error is not None:
             line += f" ({100 * error:+.1f}%)"
+        line += " on 04's eval split"
+        mine = report.get("offline_on_measured_prompts") or {}
+        if isinstance(mine.get("expected_acceptance_length"), (int, float)):
+            error = prediction_error(report, "offline_on_measured_prompts")
+            line += (f", {mine['expected_acceptance_length']:.2f}{'' if error is None else f' ({100 * error:+.1f}%)'} "
+                     f"on these prompts' first turn")
     elif report.get("offline_missing"):
         line += f" | no offline prediction for this draft ({report['offline_missing']})"
     served = report.get("replay_on_served")

@@ -68,6 +68,17 @@ def check_measured(run: Path, out: str) -> dict:
     other = report["other_prompts"]
     assert other["num_prompts"] == 32 and other["counters"]["num_drafts"] > 0 and other["acceptance_length"] > 1.0
     assert other["outputs"]["identical"] == other["outputs"]["compared"] == 32, other["outputs"]
+    # the long-context set (built from the held-out conversations): 4 prompts per bucket, each within its bucket,
+    # measured per bucket, losslessly; and 04's prediction on exactly the prompts measured (first turn)
+    long = report["prompt_sets"]["long_context"]
+    assert {label: (b["num_prompts"], b["max_prompt_tokens"]) for label, b in long["buckets"].items()} == {
+        "<=512 tokens": (4, 512), "<=896 tokens": (4, 896)}, long["buckets"]
+    assert 448 <= long["buckets"]["<=512 tokens"]["prompt_tokens"][0] and long["buckets"]["<=896 tokens"]["prompt_tokens"][0] > 800
+    assert all(b["acceptance_length"] > 1.0 for b in long["buckets"].values()), long["buckets"]
+    assert long["outputs"]["identical"] == long["outputs"]["compared"] == 8, long["outputs"]
+    mine = report["offline_on_measured_prompts"]
+    assert mine["num_prompts"] + mine.get("not_in_04s_eval", {}).get("count", 0) == 31, mine
+    assert abs(report["prediction_error"]["on_measured_prompts"]) <= 0.05, mine
     return report
 
 
