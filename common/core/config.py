@@ -196,6 +196,12 @@ class DraftConfig:
     rope_theta: Optional[Annotated[float, Range(gt=0, le=1e12)]] = None  # published models use 1e4..1e8
     rms_norm_eps: Optional[Annotated[float, Range(gt=0, le=1)]] = None
     norm_before_residual: bool = False
+    # EAGLE-3.1 (docs/design.md#eagle-31-the-norm-flags); all false = EAGLE-3. fc_norm: one RMSNorm per aux hidden
+    # state before fc; norm_before_fc (the Llama draft only; not with fc_norm): one RMSNorm over their concatenation;
+    # norm_output: the next draft step reads the normed output instead of the pre-norm one
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
     max_position_embeddings: Optional[Annotated[int, Range(ge=1, le=2**26)]] = None
     # RoPE scaling of the draft, exported in its config.json so vLLM builds the same rotary: null = none (plain
     # RoPE at rope_theta); "target" = the target's own (e.g. Kimi-K2.5's yarn, factor 64 over 4096 positions);
@@ -239,6 +245,10 @@ class TrainConfig:
     # the draft vocab with init_from: own = the init's (its d2t; 03's map is not used), remap = 03's, carrying over
     # the init's lm_head rows of the tokens both share (the others as init_lm_head says)
     init_vocab: Literal["own", "remap"] = "own"
+    # the EAGLE-3.1 norm flags with init_from (draft.fc_norm, draft.norm_before_fc, draft.norm_output): match = the
+    # init's must equal draft.*'s (a mismatch is refused); convert = train draft.*'s from the init's weights (a norm
+    # the init lacks starts at 1, a norm it has that draft.* does not is dropped)
+    init_norms: Literal["match", "convert"] = "match"
     # L2-SP: lambda of the penalty lambda * sum((w - w_init)^2) over the trainable weights, towards init_from's
     # (keeps a fine-tune from over-specialising; 1e-4 in published fine-tunes); 0 = off
     anchor_weight: Annotated[float, Range(ge=0, le=1e6)] = 0.0
@@ -606,6 +616,12 @@ def _check_url(url: str, key: str) -> None:
              f"http://127.0.0.1:8000/v1")
 
 
+# fc_norm with norm_before_fc: vLLM would apply both, one after the other; the peers refuse it (speculators#670). Here
+# for the run config, and for a draft's config.json in common/model/draft/config.py.
+FC_NORMS_EXCLUSIVE = ("draft.fc_norm and draft.norm_before_fc are both true, and they are exclusive (fc_norm normalises "
+                      "each aux hidden state before fc, norm_before_fc their concatenation); set one of them to false")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that types alone cannot express."""
     _require(bool(cfg.run_dir), "run_dir must be set (the directory every stage writes under)")
@@ -633,6 +649,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.answers == "regenerate" or cfg.tokenize.token_ids_from == "template",
              f"data.answers={cfg.data.answers} trains on the dataset's own answers, which have no server token ids, but "
              f"tokenize.token_ids_from=server; set tokenize.token_ids_from: template, or data.answers: regenerate")
+    _require(not (cfg.draft.fc_norm and cfg.draft.norm_before_fc), FC_NORMS_EXCLUSIVE)
     t = cfg.train
     _require(len(t.betas) == 2, f"train.betas must have two values, got {t.betas}")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr:g}) must be <= train.lr ({t.lr:g})")

@@ -4,7 +4,8 @@ config.json `architectures` name, the config class, the model class and the tens
 
 Official EAGLE-3 format (`export_vllm_draft`: what vLLM's model class of the family's architecture reads):
     config.json        the config's to_vllm_config(): architectures [the family's], draft_vocab_size,
-                       target_hidden_size, eagle_aux_hidden_state_layer_ids, ...
+                       target_hidden_size, eagle_aux_hidden_state_layer_ids, the EAGLE-3.1 flags the family
+                       reads (fc_norm, norm_output; the Llama draft's norm_before_fc), ...
     model.safetensors  the model's state dict under the family's official names (docs/design.md#vllm-checkpoint-format),
                        with the names every family shares (common.model.draft.contract): lm_head.weight [V_d, H],
                        d2t int64 [V_d] (target id = i + d2t[i]), t2d bool [V];
@@ -14,7 +15,7 @@ Official EAGLE-3 format (`export_vllm_draft`: what vLLM's model class of the fam
                        would still route a `d2t` tensor to it and fail to load.
 speculators format (`export_speculators_draft`): the same tensors under the family's speculators names
 (the family's adapter renames them), embed_tokens included, and the speculators config.json, with
-norm_before_residual written explicitly (vLLM assumes True when it is missing).
+norm_before_residual written explicitly (vLLM assumes True when it is missing), and the EAGLE-3.1 flags.
 
 Both writers build the directory under a temporary name next to `out_dir` and rename it into
 place, so `out_dir` is either the previous complete export or the new complete one.
@@ -30,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from common.model.draft import (EMBEDDING_PREFIX, VOCAB_MAP_TENSORS, DraftConfigContract, DraftFamily, DraftModelContract, family_of,
-                                family_of_config, family_of_model)
+from common.model.draft import (EMBEDDING_PREFIX, NORM_FLAGS, VOCAB_MAP_TENSORS, DraftConfigContract, DraftFamily,
+                                DraftModelContract, family_of, family_of_config, family_of_model)
 from common.core.errors import ConfigError, DataError
 from common.core.io import fsync_dir
 
@@ -143,9 +144,7 @@ def export_speculators_draft(model: DraftModelContract, out_dir, verifier_name_o
         "transformer_layer_config": transformer_layer_config,
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{flag: official.get(flag, False) for flag in NORM_FLAGS},  # EAGLE-3.1's (vLLM's speculators/algos.py)
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "embed_requires_grad": False,

@@ -13,13 +13,14 @@ sizes); a `draft.*` key left at its default takes the init's value, one set to a
 Without an init, draft.architecture names the family: `draft_family_for` decides, for 04 and its memory planner.
 The vocabulary (train.init_vocab): `own` keeps the init's draft vocab (its d2t; without one, target ids
 0..V_d-1, as vLLM reads such a draft), `remap` trains on 03's and carries over the init's lm_head rows of the
-tokens both vocabularies hold.
+tokens both vocabularies hold. The EAGLE-3.1 norm flags (draft.fc_norm, draft.norm_before_fc, draft.norm_output;
+train.init_norms): `match` refuses an init trained with other flags than draft.*'s (a 3.1 draft into a 3 run, or the
+reverse), `convert` trains draft.*'s flags from its weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -28,8 +29,8 @@ from common.core.config import DraftConfig
 from common.core.distributed import DistEnv, on_rank0
 from common.core.errors import ConfigError, DataError
 from common.core.run_folder import Layout
-from common.model.draft import (EMBEDDING_PREFIX, EMBEDDING_TENSOR, HEAD_TENSOR, VOCAB_MAP_TENSORS, DraftConfigContract,
-                                DraftFamily, draft_rope_scaling, family_of, family_of_config)
+from common.model.draft import (EMBEDDING_PREFIX, EMBEDDING_TENSOR, HEAD_TENSOR, NORM_FLAGS, VOCAB_MAP_TENSORS,
+                                DraftConfigContract, DraftFamily, draft_rope_scaling, family_of, family_of_config)
 from common.model.export import CONFIG_NAME, check_draft_tensors, draft_weight_files, read_draft_config, read_draft_tensors
 from common.target.loading import load_target_tensors, target_fingerprint
 
@@ -68,16 +69,17 @@ class InitDraft:
                               f"EAGLE-3 draft (config.json + *.safetensors), e.g. another run's train/final")
         config = read_draft_config(path)  # an architecture no family knows: one line, naming the file
         family = family_of_config(config)
-        raw = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
         shapes = read_draft_tensors(path, shapes_only=True, family=family)
-        problems = _architecture_problems(raw) + _target_problems(config, info, aux_layer_ids)
-        problems += _draft_key_problems(cfg, config, info, family)
+        problems = _target_problems(config, info, aux_layer_ids) + _draft_key_problems(cfg, config, info, family)
         if not problems and EMBEDDING_TENSOR in shapes:
             problems += on_rank0(lambda: _embedding_problems(path, cfg.target.model, family), env)
         if problems:
             raise ConfigError(f"train.init_from {path} does not fit this run: {'; '.join(problems)}; use a draft trained "
                               f"for this target (hidden size {info.hidden_size}, vocab {info.vocab_size}, aux layers "
                               f"{list(aux_layer_ids)}), or set train.init_from: null")
+        norms = _norm_flags(cfg.draft)  # what 04 trains: draft.*'s EAGLE-3.1 norms
+        if t.init_norms == "match" and _norm_flags(config) != norms:
+            raise ConfigError(_norm_mismatch(path, config, cfg.draft))
         # vLLM loads a draft without d2t too: its draft_id_to_target_id stays zeros (draft id i = target id i)
         check_draft_tensors(shapes, config, draft_weight_files(path)[0], optional=set(VOCAB_MAP_TENSORS))
         weights = _read_finite(path, shapes, family)
@@ -93,7 +95,7 @@ class InitDraft:
             init_t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
             init_t2d[init_ids] = True
             d2t, t2d = init_ids - torch.arange(init_ids.numel()), init_t2d
-        draft_cfg = dataclasses.replace(config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(aux_layer_ids))
+        draft_cfg = dataclasses.replace(config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(aux_layer_ids), **norms)
         fingerprint = on_rank0(lambda: target_fingerprint(layout, str(path)), env)
         return cls(path, t.init_vocab, family, config, draft_cfg, d2t, t2d, init_ids, has_d2t, shared, fingerprint, weights)
 
@@ -111,7 +113,8 @@ class InitDraft:
         own = draft.state_dict()  # tensors sharing the draft's storage
         head = weights.pop(HEAD_TENSOR)
         for name, tensor in weights.items():
-            if name not in VOCAB_MAP_TENSORS and not name.startswith(EMBEDDING_PREFIX):  # the map is set, the embedding the target's
+            # the map is set, the embedding the target's; a norm the draft has not (train.init_norms: convert) dropped
+            if name not in VOCAB_MAP_TENSORS and not name.startswith(EMBEDDING_PREFIX) and name in own:
                 own[name].copy_(tensor)
         where = f"04_train: init_from {self.path}"
         if self.mode == "own":
@@ -130,14 +133,24 @@ class InitDraft:
                 f"vocabularies hold), {total - n} start as train.init_lm_head says")
 
 
-def _architecture_problems(raw: dict) -> list[str]:
-    """A speculators-format EAGLE-3 draft with a norm before fc (the architecture itself is checked by its family:
-    read_draft_config refuses one that no family knows)."""
-    problems = []
-    extra = [k for k in ("norm_before_fc", "fc_norm") if raw.get(k)]
-    if extra:
-        problems.append(f"it sets {', '.join(extra)}, a norm before fc that this pipeline's draft does not have")
-    return problems
+def _norm_flags(source) -> dict[str, bool]:
+    """The EAGLE-3.1 norm flags of a draft config or of the run config's draft section."""
+    return {flag: bool(getattr(source, flag)) for flag in NORM_FLAGS}
+
+
+def _norm_mismatch(path: Path, config: DraftConfigContract, draft_section) -> str:
+    """The line refusing an init trained with other EAGLE-3.1 norms than draft.* asks for (train.init_norms: match):
+    vLLM serves a draft with the norms its config.json names, so training it with others would be a silent change."""
+    def variant(flags: dict) -> str:
+        on = [f for f, v in flags.items() if v]
+        return f"EAGLE-3.1 ({', '.join(on)})" if on else "EAGLE-3 (no norm flags)"
+
+    theirs, ours = _norm_flags(config), _norm_flags(draft_section)
+    differ = [f for f in NORM_FLAGS if theirs[f] != ours[f]]
+    keep = ", ".join(f"draft.{f}: {str(theirs[f]).lower()}" for f in differ)
+    return (f"train.init_from {path} is an {variant(theirs)} draft and this run trains {variant(ours)}; set {keep} to "
+            f"train it as it was trained, or train.init_norms: convert to retrain it with draft.*'s norms (a norm the "
+            f"init lacks starts at 1, one it has that the run has not is dropped)")
 
 
 def _target_problems(config: DraftConfigContract, info, aux_layer_ids: list[int]) -> list[str]:

@@ -334,11 +334,13 @@ def draft_config_from(cfg, target: dict, source: str = "the target's config"):
     aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, layers)
     family = draft_family_for(cfg)  # the trainer's choice: the init's architecture, else draft.architecture
     if cfg.train.init_from:  # 04 trains the init's architecture, in the draft vocab of train.init_vocab
+        from common.model.draft import NORM_FLAGS
         from common.model.export import read_draft_config
 
         init = read_draft_config(cfg.train.init_from)
         vocab = init.draft_vocab_size if cfg.train.init_vocab == "own" else min(cfg.vocab.draft_vocab_size, info.vocab_size)
-        return dataclasses.replace(init, draft_vocab_size=vocab, aux_layer_ids=list(aux))
+        norms = {flag: getattr(cfg.draft, flag) for flag in NORM_FLAGS}  # draft.*'s (init_from refuses others, or converts)
+        return dataclasses.replace(init, draft_vocab_size=vocab, aux_layer_ids=list(aux), **norms)
     return family.build_config(cfg, info, cfg.vocab.draft_vocab_size, aux)
 
 

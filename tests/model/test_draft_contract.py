@@ -139,8 +139,9 @@ def run_config(tmp_path, **draft):
 
 
 def test_a_draft_key_the_family_does_not_read_is_one_error_line(tmp_path):
-    keys = ("draft.hidden_size, draft.intermediate_size, draft.max_position_embeddings, draft.norm_before_residual, "
-            "draft.num_attention_heads, draft.num_hidden_layers, draft.rms_norm_eps, draft.rope_scaling, draft.rope_theta")
+    keys = ("draft.fc_norm, draft.hidden_size, draft.intermediate_size, draft.max_position_embeddings, "
+            "draft.norm_before_residual, draft.norm_output, draft.num_attention_heads, draft.num_hidden_layers, "
+            "draft.rms_norm_eps, draft.rope_scaling, draft.rope_theta")
     for key, value in (("head_dim", 64), ("num_key_value_heads", 8)):
         with pytest.raises(ConfigError) as e:
             draft_family_for(run_config(tmp_path, architecture=MLA, **{key: value}))

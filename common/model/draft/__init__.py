@@ -15,7 +15,7 @@ The names below are the package's interface; import them from here.
 """
 
 from common.model.draft.attention import ATTENTION_BACKENDS, ATTN_SCORES_BYTES, DEFAULT_ATTN_CHUNK, AttentionMeta, choose_attention
-from common.model.draft.contract import (EMBEDDING_PREFIX, EMBEDDING_TENSOR, HEAD_TENSOR, VOCAB_MAP_TENSORS,
+from common.model.draft.contract import (EMBEDDING_PREFIX, EMBEDDING_TENSOR, HEAD_TENSOR, NORM_FLAGS, VOCAB_MAP_TENSORS,
                                          DraftConfigContract, DraftModelContract)
 from common.model.draft.config import OFFICIAL_ARCHITECTURE, DraftModelConfig, build_draft_config, draft_rope_scaling
 from common.model.draft.layout import PackedLayout, squeeze_row
@@ -26,8 +26,8 @@ from common.model.draft.registry import (DEFAULT_ARCHITECTURE, DRAFT_FAMILIES, A
                                          known_architectures, register, unregister)
 
 __all__ = ["ATTENTION_BACKENDS", "ATTN_SCORES_BYTES", "DEEPSEEK_EAGLE3_FAMILY", "DEFAULT_ARCHITECTURE", "DEFAULT_ATTN_CHUNK",
-           "DRAFT_FAMILIES", "EMBEDDING_PREFIX", "EMBEDDING_TENSOR", "HEAD_TENSOR", "VOCAB_MAP_TENSORS", "AttentionMeta",
-           "AttentionWidths", "DraftConfigContract", "DraftFamily", "DraftModelContract", "DraftModelConfig",
+           "DRAFT_FAMILIES", "EMBEDDING_PREFIX", "EMBEDDING_TENSOR", "HEAD_TENSOR", "NORM_FLAGS", "VOCAB_MAP_TENSORS",
+           "AttentionMeta", "AttentionWidths", "DraftConfigContract", "DraftFamily", "DraftModelContract", "DraftModelConfig",
            "Eagle3DraftModel", "LLAMA_EAGLE3_FAMILY", "OFFICIAL_ARCHITECTURE", "PackedLayout", "StateDictAdapter",
            "build_draft_config", "choose_attention", "draft_rope_scaling", "family_of", "family_of_config",
            "family_of_model", "known_architectures", "register", "squeeze_row", "unregister"]

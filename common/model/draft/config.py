@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
+from common.core.config import FC_NORMS_EXCLUSIVE
 from common.core.errors import ConfigError
-from common.model.draft.contract import DraftConfigContract
+from common.model.draft.contract import NORM_FLAGS, DraftConfigContract
 
 OFFICIAL_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -31,8 +32,14 @@ class DraftModelConfig(DraftConfigContract):  # the Llama family's; the contract
     target_hidden_size: int
     aux_layer_ids: list[int]  # vLLM convention; their order is the order of the aux concat
     norm_before_residual: bool = False
+    # EAGLE-3.1 (contract.NORM_FLAGS; all false = EAGLE-3): vLLM's llama_eagle3.py reads all three
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
     hidden_act: str = "silu"
     initializer_range: float = 0.02
+
+    norm_flags = frozenset(NORM_FLAGS)  # no annotation: a class attribute, not a dataclass field
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -59,6 +66,13 @@ class DraftModelConfig(DraftConfigContract):  # the Llama family's; the contract
             )
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"draft hidden_act '{self.hidden_act}' is not supported; use one of {sorted(ACTIVATIONS)}")
+        unread = [flag for flag in NORM_FLAGS if getattr(self, flag) and flag not in self.norm_flags]
+        if unread:
+            raise ConfigError(f"{unread[0]} is set, but vLLM's model of this draft architecture does not read it and "
+                              f"would serve the draft without that norm; set draft.{unread[0]}: false (it reads only "
+                              f"{', '.join(sorted(self.norm_flags))})")
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(FC_NORMS_EXCLUSIVE)
 
     @property
     def num_aux(self) -> int:
@@ -100,6 +114,7 @@ class DraftModelConfig(DraftConfigContract):  # the Llama family's; the contract
             "eagle_aux_hidden_state_layer_ids": ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             "norm_before_residual": self.norm_before_residual,
+            **{flag: getattr(self, flag) for flag in NORM_FLAGS if flag in self.norm_flags},
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
             "use_cache": True,
@@ -158,6 +173,10 @@ class DraftModelConfig(DraftConfigContract):  # the Llama family's; the contract
             target_hidden_size=int(d.get("target_hidden_size") or hidden),
             aux_layer_ids=list(ids),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
+            # vLLM's llama_eagle3.py reads norm_before_fc from eagle_config first, the others at the top
+            fc_norm=bool(d.get("fc_norm", False)),
+            norm_before_fc=bool(eagle_config.get("norm_before_fc", d.get("norm_before_fc", False))),
+            norm_output=bool(d.get("norm_output", False)),
             hidden_act=d.get("hidden_act", "silu"),
             initializer_range=float(d.get("initializer_range", 0.02)),
         )
@@ -260,5 +279,8 @@ def build_draft_config(cfg, info, draft_vocab_size: int, aux_layer_ids: list[int
         target_hidden_size=info.hidden_size,
         aux_layer_ids=list(aux_layer_ids),
         norm_before_residual=d.norm_before_residual,
+        fc_norm=d.fc_norm,
+        norm_before_fc=d.norm_before_fc,
+        norm_output=d.norm_output,
         hidden_act=str(_text_attr(tc, "hidden_act", "silu")),
     )

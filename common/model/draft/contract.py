@@ -12,7 +12,7 @@ Who asks what:
                                             set_vocab_map, draft_vocab_target_ids, head_weight, attention_impl; the
                                             config's num_attention_heads / num_key_value_heads / head_dim / value_head_dim choose the
                                             attention backend (choose_attention)
-    init_from (common/train/init_from.py)   the config's sizes and aux_layer_ids (dataclasses.replace),
+    init_from (common/train/init_from.py)   the config's sizes, aux_layer_ids and NORM_FLAGS (dataclasses.replace),
                                             head_weight, draft_vocab_target_ids, HEAD_TENSOR, EMBEDDING_TENSOR,
                                             VOCAB_MAP_TENSORS; the family reads and checks the tensors
     the export (common/model/export.py)     state_dict (the family's names; the adapter renames them),
@@ -29,7 +29,7 @@ do not.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,12 @@ EMBEDDING_PREFIX = "embed_tokens."
 EMBEDDING_TENSOR = "embed_tokens.weight"  # [V, H] the target's input embedding, frozen (not exported: vLLM shares it)
 HEAD_TENSOR = "lm_head.weight"  # [V_d, H] the draft's head over the draft vocabulary
 VOCAB_MAP_TENSORS = ("d2t", "t2d")  # d2t int64 [V_d]: target id = i + d2t[i]; t2d bool [V]: in the draft vocab
+# The EAGLE-3.1 flags (docs/design.md#eagle-31-the-norm-flags), config.json keys vLLM reads, all false = EAGLE-3:
+#   fc_norm         one RMSNorm per aux hidden state before fc (tensors fc_norm.{i}.weight [H_t])
+#   norm_before_fc  one RMSNorm over their concatenation before fc (input_norm.weight [num_aux * H_t]); exclusive with
+#                   fc_norm
+#   norm_output     the next draft step reads the normed output (lm_head reads it in every mode), not the pre-norm one
+NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
 
 
 @runtime_checkable
@@ -62,6 +68,12 @@ class DraftConfigContract(Protocol):
     rms_norm_eps: float
     norm_before_residual: bool
     max_position_embeddings: int
+    fc_norm: bool  # NORM_FLAGS
+    norm_before_fc: bool
+    norm_output: bool
+    # the NORM_FLAGS this family's vLLM model reads (a config setting another is a ConfigError: vLLM would serve the
+    # draft without it) and its config.json writes
+    norm_flags: ClassVar[frozenset]
 
     @property
     def num_aux(self) -> int:

@@ -16,7 +16,8 @@ The TTT attention caches the decompressed k [T, heads, nope + rope] and v [T, he
 take v heads of another width than q/k (attention.py). State-dict names are vLLM's checkpoint names
 (`midlayer.self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
 o_proj}`, `midlayer.mlp.*`, `fc`, `norm`, `lm_head`, `d2t`); vLLM fuses q_a_proj + kv_a_proj_with_mqa and
-gate + up_proj when it loads them. The module ends with the family's registration.
+gate + up_proj when it loads them. EAGLE-3.1's fc_norm and norm_output are the Llama draft's (`fc_norm.{i}.weight`);
+vLLM's MLA draft has no norm_before_fc. The module ends with the family's registration.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn as nn
 from common.core.errors import ConfigError
 from common.model.draft.config import DraftModelConfig, _text_attr, build_draft_config, draft_rope_scaling
 from common.model.draft.layout import _wide
-from common.model.draft.llama_eagle3 import DecoderLayer, Eagle3DraftModel, RMSNorm
+from common.model.draft.llama_eagle3 import DecoderLayer, Eagle3DraftModel, RMSNorm, fc_norm_params
 from common.model.draft.registry import AttentionWidths, DraftFamily, StateDictAdapter, register
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
@@ -53,6 +54,9 @@ class DeepseekEagle3Config(DraftModelConfig):
     v_head_dim: int
     num_key_value_heads: int = field(init=False, default=0)
     head_dim: int = field(init=False, default=0)
+    # vLLM's deepseek_eagle3.py reads fc_norm and norm_output, and no norm_before_fc: a draft trained with it would be
+    # served without that norm, so it is refused
+    norm_flags = frozenset({"fc_norm", "norm_output"})
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_attention_heads
@@ -262,9 +266,10 @@ def _layer_params(d: DeepseekEagle3Config, inp: int, first: bool) -> int:
 
 
 def trainable_params(d: DeepseekEagle3Config) -> int:
-    """P: fc, every decoder layer (layer 0 reads 2H and has hidden_norm), norm, lm_head (embed_tokens is frozen)."""
+    """P: fc (and fc_norm), every decoder layer (layer 0 reads 2H and has hidden_norm), norm, lm_head (embed_tokens is
+    frozen)."""
     H = d.hidden_size
-    return (d.num_aux * d.target_hidden_size * H + _layer_params(d, 2 * H, True)
+    return (d.num_aux * d.target_hidden_size * H + fc_norm_params(d) + _layer_params(d, 2 * H, True)
             + (d.num_hidden_layers - 1) * _layer_params(d, H, False) + H + d.draft_vocab_size * H)
 
 
@@ -304,9 +309,11 @@ DEEPSEEK_EAGLE3_FAMILY = register(DraftFamily(
     kv_bytes_per_token=kv_bytes_per_token,
     attention_widths=attention_widths,
     fsdp_unit_classes=(),  # one unit, as the Llama draft (a layer runs once per TTT step)
-    # draft.* keys build_mla_draft_config reads: not head_dim or num_key_value_heads (the MLA sizes are the target's)
+    # draft.* keys build_mla_draft_config reads: not head_dim or num_key_value_heads (the MLA sizes are the target's),
+    # nor norm_before_fc (vLLM's MLA draft has none), and the EAGLE-3.1 flags its config reads
     draft_keys=frozenset({"hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rope_theta",
-                          "rms_norm_eps", "norm_before_residual", "max_position_embeddings", "rope_scaling"}),
+                          "rms_norm_eps", "norm_before_residual", "max_position_embeddings", "rope_scaling"})
+    | DeepseekEagle3Config.norm_flags,
     label="the MLA draft",
     latent_attention=True,
 ))

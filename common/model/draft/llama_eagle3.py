@@ -4,23 +4,27 @@ Architecture (docs/design.md#draft-architecture, identical to the official EAGLE
 and to vLLM's `llama_eagle3.py`):
 
     g = fc(concat(aux_0, aux_1, aux_2))                  # target features -> H, step 0 only
+        fc_norm (EAGLE-3.1):  concat(fc_norm.0(aux_0), fc_norm.1(aux_1), ...) instead of the raw concat
+        norm_before_fc:       input_norm(concat(aux_0, aux_1, aux_2))   (exclusive with fc_norm)
     layer 0 ("midlayer"): residual = g  (hidden_norm(g) if norm_before_residual)
         x = concat(input_layernorm(embed(token)), hidden_norm(g))        # [.., 2H], embedding first
         h = residual + o_proj(attn(q/k/v_proj(x)))
         h = h + mlp(post_attention_layernorm(h))
     layers k >= 1: ordinary pre-norm Llama decoder layers on h (vLLM PR #26164)
-    logits = lm_head(norm(h))                            # [.., V_d]
-    next step's g = h (the PRE-norm output; fc is not applied again)
+    logits = lm_head(norm(h))                            # [.., V_d], in every mode
+    next step's g = h (the PRE-norm output; fc is not applied again), or norm(h) with norm_output (EAGLE-3.1)
 
 State dict names are exactly the names of the official vLLM checkpoint format: `fc.weight`,
 `midlayer.*` (layer 0), `layers.{k}.*` for k >= 1 (vLLM's `LlamaModel.layers[k]`; it maps
-`midlayer.` to `layers.0.`), `norm.weight`, `lm_head.weight`, buffers `d2t` / `t2d`, and the
+`midlayer.` to `layers.0.`), `norm.weight`, `lm_head.weight`, `fc_norm.{i}.weight` (fc_norm) or `input_norm.weight`
+(norm_before_fc), buffers `d2t` / `t2d`, and the
 frozen `embed_tokens.weight` (dropped on export unless asked for). The module ends with the family's
 registration (LLAMA_EAGLE3_FAMILY, common/model/draft/registry.py): its names, formats and sizes.
 
 TTT (docs/design.md#ttt-alignment-and-loss): `forward_ttt_hidden` unrolls `ttt_steps` draft steps over one packed row of
 samples. At step i, index t of a sample of length L:
-  - hidden input = fc(aux[t]) at step 0, else the draft's own pre-norm output of step i-1 at t;
+  - hidden input = fc(aux[t]) at step 0, else the draft's own output of step i-1 at t (pre-norm; normed with
+    norm_output);
   - token input  = x_{t+1+i} (teacher forcing; positions past the sample end get token 0 and are
     never used by a valid position);
   - RoPE position = position_ids[t] + i;
@@ -208,7 +212,14 @@ class Eagle3DraftModel(nn.Module, DraftModelContract):
         H = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(config.num_aux * config.target_hidden_size, H, bias=False)
+        fc_input_size = config.num_aux * config.target_hidden_size
+        # EAGLE-3.1's norms before fc, under vLLM's names and eps (its LlamaModel and DeepseekV2Eagle3Model)
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(fc_input_size, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in range(config.num_aux))
+        self.fc = nn.Linear(fc_input_size, H, bias=False)
         self.midlayer = self.layer_class(config, first=True)
         # Extra layers keep vLLM's indices (layers.1, layers.2, ...): a ModuleDict with string keys.
         self.layers = nn.ModuleDict({str(k): self.layer_class(config, first=False)
@@ -283,7 +294,17 @@ class Eagle3DraftModel(nn.Module, DraftModelContract):
         if aux_hidden.shape[-1] != expected:
             raise DataError(f"aux hidden states have width {aux_hidden.shape[-1]}, the draft expects {expected} "
                             f"({self.config.num_aux} aux layers x target hidden {self.config.target_hidden_size})")
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        x = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:  # vLLM's combine_hidden_states: input_norm, then fc_norm per chunk, then fc
+            x = self.input_norm(x)
+        if self.config.fc_norm:
+            x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, x.chunk(self.config.num_aux, dim=-1))], dim=-1)
+        return self.fc(x)
+
+    def next_step_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A step's pre-norm output [.., H] -> the hidden input of the next draft step: itself (EAGLE-3), or what
+        lm_head reads (norm_output, EAGLE-3.1; vLLM's aux_output). The logits read the normed state in both."""
+        return self.final_norm(hidden) if self.config.norm_output else hidden
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [.., H] -> what lm_head reads [.., H]."""
@@ -345,7 +366,8 @@ class Eagle3DraftModel(nn.Module, DraftModelContract):
                 cache_k.append(k)
                 cache_v.append(v)
             outputs.append(h if step_fn is None else step_fn(self, step, h))
-            hidden = h
+            if step + 1 < ttt_steps:
+                hidden = self.next_step_hidden(h)
         return outputs
 
     def forward_ttt(self, aux_hidden, input_ids, position_ids, seq_lens, ttt_steps: int) -> list[torch.Tensor]:
@@ -395,15 +417,21 @@ class Eagle3DraftModel(nn.Module, DraftModelContract):
 
 
 def trainable_params(d: DraftModelConfig) -> int:
-    """P: fc, every decoder layer (layer 0 reads 2H and has hidden_norm), norm, lm_head (embed_tokens is frozen)."""
+    """P: fc (and its norms), every decoder layer (layer 0 reads 2H and has hidden_norm), norm, lm_head (embed_tokens is
+    frozen)."""
     H, I, hd = d.hidden_size, d.intermediate_size, d.head_dim
     q, kv = d.num_attention_heads * hd, d.num_key_value_heads * hd
 
     def layer(inp: int, first: bool) -> int:
         return inp * (q + 2 * kv) + q * H + 3 * H * I + 2 * H + (H if first else 0)
 
-    return (d.num_aux * d.target_hidden_size * H + layer(2 * H, True) + (d.num_hidden_layers - 1) * layer(H, False)
-            + H + d.draft_vocab_size * H)
+    return (d.num_aux * d.target_hidden_size * H + fc_norm_params(d) + layer(2 * H, True)
+            + (d.num_hidden_layers - 1) * layer(H, False) + H + d.draft_vocab_size * H)
+
+
+def fc_norm_params(d: DraftModelConfig) -> int:
+    """The weights of the norms before fc: fc_norm's (one H_t per aux state) or norm_before_fc's (num_aux * H_t)."""
+    return d.num_aux * d.target_hidden_size if (d.fc_norm or d.norm_before_fc) else 0
 
 
 def largest_param(d: DraftModelConfig) -> int:
