@@ -30,10 +30,20 @@ from common.core.run_folder import Layout, read_manifest
 from common.core.stage_lock import StageBusy, lock_holder
 from common.hidden.index import index_fingerprint, mark_trained, read_consumed, read_entries
 from common.hidden.rounds import HiddenPlan, extracted
-from common.hidden.shards import HiddenIndex, verify_shard_files
+from common.hidden.shards import RERUN_02, HiddenIndex, verify_shard_files
 from common.hidden.stream import StreamWait
 from common.train.data import DataPosition, MicroBatch, RoundSamples, TrainData
 from common.train.ledger import SampleLedger
+
+
+NO_HIDDEN_ADVICE = "; run 02_extract_hidden.py first"
+
+
+def without_02_advice(message: str) -> str:
+    """What 04 found missing in hidden/, without the advice to run 02 that ends the message (a path may hold "; ")."""
+    for advice in (f"; {RERUN_02}", NO_HIDDEN_ADVICE):
+        message = message.removesuffix(advice)
+    return message
 
 
 @dataclass
@@ -62,7 +72,7 @@ class TrainSource:
         try:
             for path in (layout.hidden_index, layout.hidden_plan):
                 if not path.is_file():
-                    raise DataError(f"no hidden-state {path.stem} at {path}; run 02_extract_hidden.py first")
+                    raise DataError(f"no hidden-state {path.stem} at {path}{NO_HIDDEN_ADVICE}")
             self.plan = HiddenPlan.read(layout.hidden_plan, epochs=cfg.train.epochs)
             self.check_plan_is_02s()
             self.files_loaded = self.first_files_on_disk()  # the shards self.index holds (all of them verified)
@@ -81,7 +91,7 @@ class TrainSource:
         error's advice (run 02) is wrong. Say that 02 is running instead (streaming, 04 waits for 02's shards)."""
         holder = lock_holder(self.cfg.run_dir, "02_extract_hidden")
         if holder is not None:
-            found = str(problem).split("; ")[0]  # what is missing, without the advice to rerun 02
+            found = without_02_advice(str(problem))
             raise StageBusy(
                 f"hidden/ is not complete yet ({found}): 02_extract_hidden is running on {self.layout.run_dir} "
                 f"(pid {holder}); wait for it to finish, then rerun 04_train.py; or, to train while 02 extracts, run "
