@@ -225,15 +225,21 @@ def run_env(tmp_path, monkeypatch, chat_tokenizer_dir):
                      "throughput_repeats": 1},
     })
     env = RunEnv(cfg, run, final)
+    serve_fakes(env, monkeypatch, lambda speculative: FakeVllm(with_draft=speculative is not None, diverge=env.diverge,
+                                                               die_on_chat=env.die_on_chat))
+    return env
 
+
+def serve_fakes(env, monkeypatch, make_server) -> None:
+    """serve.target_server swapped for fake vLLM servers, make_server(speculative) each; every start is recorded in
+    env.started (its speculative config, the server, its log path)."""
     @contextlib.contextmanager
     def fake_target_server(cfg_, speculative=None, log_path=None):
-        with FakeVllm(with_draft=speculative is not None, diverge=env.diverge, die_on_chat=env.die_on_chat) as server:
-            env.started.append({"speculative": speculative, "server": server})
+        with make_server(speculative) as server:
+            env.started.append({"speculative": speculative, "server": server, "log": log_path})
             yield server
 
     monkeypatch.setattr(serve, "target_server", fake_target_server)
-    return env
 
 
 def test_eval_prompts_are_the_eval_split_first_turn(run_env):

@@ -4,18 +4,16 @@ On the fake vLLM server of test_evaluate.py; the target is a config and the tiny
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
 
 from common.core.config import config_from_dict
 from common.core.errors import ConfigError
-from common.evaluate import serve
 from common.evaluate import stage as evaluate
 from common.evaluate.built_sets import context_limit
 from common.evaluate.prompt_sets import context_check, load_prompt_set
-from tests.evaluate.test_evaluate import run_env  # noqa: F401 (a fixture)
+from tests.evaluate.test_evaluate import run_env, serve_fakes  # noqa: F401 (run_env: a fixture)
 from tests.helpers import FakeVllm
 
 ANSWER = "The target's own answer about {} walks through it slowly: first the idea, then an example, then a check."
@@ -83,13 +81,7 @@ class LongerIsHarderVllm(FakeVllm):
 def test_05_reports_acceptance_per_bucket_in_report_json_and_the_plot(run_env, monkeypatch):
     cfg = long_context_env(run_env, positions=1024, prompts_per_bucket=2)
 
-    @contextlib.contextmanager
-    def fake_target_server(cfg_, speculative=None, log_path=None):
-        with LongerIsHarderVllm(with_draft=speculative is not None) as server:
-            run_env.started.append({"speculative": speculative, "server": server})
-            yield server
-
-    monkeypatch.setattr(serve, "target_server", fake_target_server)
+    serve_fakes(run_env, monkeypatch, lambda speculative: LongerIsHarderVllm(with_draft=speculative is not None))
     assert evaluate.run_stage(cfg) == 0
     report = json.loads((run_env.run / "eval" / "report.json").read_text())
     part = report["prompt_sets"]["long"]

@@ -8,7 +8,6 @@ the stage measures each set between its own scrapes, caches a baseline per set a
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from common.evaluate import stage as evaluate
 from common.evaluate.compare import run_compare
 from common.evaluate.prompt_sets import load_prompt_sets
 from common.evaluate.report import set_part, summary_lines
-from tests.evaluate.test_evaluate import RunEnv, cli_config, run_env, write_draft  # noqa: F401 (run_env: a fixture)
+from tests.evaluate.test_evaluate import RunEnv, cli_config, run_env, serve_fakes, write_draft  # noqa: F401 (run_env: a fixture)
 from tests.helpers import FakeVllm, error_line, run_stage as run_cli
 
 
@@ -263,14 +262,11 @@ class WeakerDraftVllm(FakeVllm):
 def test_compare_puts_two_drafts_side_by_side_on_the_same_prompts(run_env, tmp_path, monkeypatch, capsys):
     weaker = write_draft(tmp_path / "fine-tuned" / "train" / "final", b"weights of another run")
 
-    @contextlib.contextmanager
-    def fake_target_server(cfg_, speculative=None, log_path=None):
+    def make_server(speculative):
         cls = WeakerDraftVllm if speculative and speculative["model"] == str(weaker) else FakeVllm
-        with cls(with_draft=speculative is not None) as server:
-            run_env.started.append({"speculative": speculative, "server": server, "log": log_path})
-            yield server
+        return cls(with_draft=speculative is not None)
 
-    monkeypatch.setattr(serve, "target_server", fake_target_server)
+    serve_fakes(run_env, monkeypatch, make_server)
     files = benchmark_files(tmp_path)
     cfg = with_sets(run_env.cfg, {"mt_bench": str(files["mt_bench"]), "humaneval": str(files["humaneval"])})
     assert evaluate.run_stage(cfg) == 0  # a plain run first: --compare must leave its report alone

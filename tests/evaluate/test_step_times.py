@@ -8,7 +8,6 @@ the project's parser. The whole stage runs on tests/helpers.py's FakeVllm with t
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -22,7 +21,7 @@ from common.evaluate.report import read_back, summary_lines
 from common.evaluate.steps import slowdown_line, step_times
 from common.serving.vllm_server import (metrics_delta, parse_prometheus, spec_decode_metrics, step_metrics,
                                         step_metrics_delta)
-from tests.evaluate.test_evaluate import run_env  # noqa: F401 (a fixture)
+from tests.evaluate.test_evaluate import run_env, serve_fakes  # noqa: F401 (run_env: a fixture)
 from tests.helpers import FakeVllm
 
 
@@ -223,13 +222,7 @@ class TimedFakeVllm(FakeVllm):
 
 @pytest.fixture
 def timed_env(run_env, monkeypatch):  # noqa: F811 (run_env: the fixture imported above)
-    @contextlib.contextmanager
-    def fake_target_server(cfg_, speculative=None, log_path=None):
-        with TimedFakeVllm(with_draft=speculative is not None) as server:
-            run_env.started.append({"speculative": speculative, "server": server})
-            yield server
-
-    monkeypatch.setattr(serve, "target_server", fake_target_server)
+    serve_fakes(run_env, monkeypatch, lambda speculative: TimedFakeVllm(with_draft=speculative is not None))
     tree = run_env.cfg.to_dict()
     run_env.cfg = config_from_dict({**tree, "evaluate": {**tree["evaluate"], "throughput_repeats": 2}})
     return run_env

@@ -14,7 +14,7 @@ from common.core.config import config_from_dict
 from common.core.errors import PipelineError
 from common.evaluate import serve
 from common.evaluate import stage as evaluate
-from tests.evaluate.test_evaluate import run_env  # noqa: F401 (a fixture)
+from tests.evaluate.test_evaluate import run_env, serve_fakes  # noqa: F401 (run_env: a fixture)
 from tests.evaluate.test_prompt_sets import with_sets, write_jsonl
 from tests.helpers import FakeVllm
 
@@ -40,13 +40,8 @@ class ByTurnAndCategoryVllm(FakeVllm):
 
 @pytest.fixture
 def mt_env(run_env, tmp_path, monkeypatch):  # noqa: F811 (run_env: the fixture imported above)
-    @contextlib.contextmanager
-    def fake_target_server(cfg_, speculative=None, log_path=None):
-        with ByTurnAndCategoryVllm(with_draft=speculative is not None, diverge=run_env.diverge) as server:
-            run_env.started.append({"speculative": speculative, "server": server})
-            yield server
-
-    monkeypatch.setattr(serve, "target_server", fake_target_server)
+    serve_fakes(run_env, monkeypatch,
+                lambda speculative: ByTurnAndCategoryVllm(with_draft=speculative is not None, diverge=run_env.diverge))
     run_env.mt_bench = write_jsonl(tmp_path / "mt_bench" / "question.jsonl", MT_BENCH)
     return run_env
 
