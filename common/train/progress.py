@@ -95,7 +95,9 @@ class Progress:
         report = {"type": "eval", "step": step, **report}
         self.last_eval = report
         if self.env.is_main:
-            self.metrics.write(report)
+            # the per-sample first-turn table grows with the eval split: eval_report.json and prediction.json keep it,
+            # one line per eval in metrics.jsonl does not
+            self.metrics.write({k: v for k, v in report.items() if k != "replay_first_turn"})
             atomic_write_json(self.layout.train_eval_report, report)
             self.tb.scalars(step, {"eval/loss": report["loss"], **{f"eval/acc_{i}": a for i, a in enumerate(report["step_acc"])},
                                    **{f"eval/tau_{k}": v for k, v in report["tau"].items()},

