@@ -26,7 +26,9 @@ K = train.ttt_steps, c = bytes of the compute dtype, 2 in bf16, 4 in fp32):
   (norm inputs in fp32, the q/k/v/MLP inputs, q, attention output, 4 x [T, I] of the MLP, and an MLA
   draft's q and kv latents with their norms). The attention's widths are the family's
   (DraftFamily.attention_widths): a Llama layer's k and v are KV heads x head_dim, an MLA layer's k is
-  heads x (qk_nope + qk_rope) and its v heads x v_head_dim.
+  heads x (qk_nope + qk_rope) and its v heads x v_head_dim. EAGLE-3.1 adds the norm of the aux states before fc
+  (fc_norm or norm_before_fc: once per micro-batch) and, with norm_output, the final norm over all T rows in every
+  step but the last.
 - the largest transient on top: the backward of the last step's layer (recomputed when
   checkpointing; its internal gradients; the k/v gradients of all K steps pending), the
   attention chunk (scores [heads, 512, S] fp32, S <= longest sample + 512, ~5 copies in backward),
@@ -160,7 +162,12 @@ def plan_memory(d, t, *, world_size: int = 1, device_type: str = "cuda", embed_b
     per_step += H * (3 * a + (4 if a != 4 else 0)) + 28
     if not gc:
         per_step += attn_part(True) + mlp_part() + (L - 1) * (attn_part(False) + mlp_part())
-    saved = T * (K * per_step + H * a)  # + fc(aux), the step-0 hidden
+    # EAGLE-3.1: fc_norm (or the Llama draft's norm_before_fc) normalises the aux states before fc, once per
+    # micro-batch; norm_output feeds each later step the final norm of all T rows, not only of the rows the loss
+    # gathers. Each norm keeps what norm_saved says and its output (fc's input; the next step's)
+    fc_input_norm = (norm_saved(c) + n) * A * Ht if (d.fc_norm or d.norm_before_fc) else 0
+    next_step_norm = (K - 1) * (norm_saved(a) + n) * H if d.norm_output else 0
+    saved = T * (K * per_step + H * a + fc_input_norm + next_step_norm)  # + fc(aux), the step-0 hidden
 
     # -- transients on top of the saved set, in the backward of the last step's last layer ----------
     last = attn_part(L == 1)

@@ -25,6 +25,8 @@ SIZES = {
     "larger+gc": ["train.batch_max_tokens=1024", "train.ttt_steps=5", "train.gradient_checkpointing=true",
                   "draft.intermediate_size=512", "draft.num_attention_heads=8", "draft.num_key_value_heads=4",
                   "draft.head_dim=32"],
+    # EAGLE-3.1: the aux states' norms before fc and the normed state fed to each next step
+    "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true"],
 }
 
 

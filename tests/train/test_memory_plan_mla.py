@@ -72,6 +72,25 @@ def test_the_plan_counts_v_at_v_head_dim_and_the_latents():
             == T * K * 256 * (4 + 2 + 2))
 
 
+def test_the_eagle31_norms_add_what_they_keep_per_token():
+    """EAGLE-3.1 on the Kimi MLA draft: fc_norm keeps, once per micro-batch, each aux state's norm (an fp32 input copy,
+    the normalised input and the bf16 output, fc's input: 8 B a value of 3 x 7168); norm_output the final norm of all
+    T rows in each of the K - 1 steps that feed the next (8 B a value of the draft's 7168). Checkpointing on and off.
+    (Measured on CPU in fp32 by tests/train/test_memory_plan.py's "eagle3.1" size: +0.66 MB for both, planned +0.65.)"""
+    from common.train.memory_plan import plan_memory
+
+    cfg, d = kimi_mla_draft("train.gradient_checkpointing=true")
+    T, K, H, A = cfg.train.batch_max_tokens, cfg.train.ttt_steps, d.hidden_size, d.num_aux
+    for train in (cfg.train, dataclasses.replace(cfg.train, gradient_checkpointing=False)):
+        base = plan_memory(d, train, world_size=8).terms["activations"]
+        fc_norm = plan_memory(dataclasses.replace(d, fc_norm=True), train, world_size=8).terms["activations"]
+        norm_output = plan_memory(dataclasses.replace(d, norm_output=True), train, world_size=8).terms["activations"]
+        both = plan_memory(dataclasses.replace(d, fc_norm=True, norm_output=True), train, world_size=8).terms["activations"]
+        assert fc_norm - base == T * A * d.target_hidden_size * (4 + 2 + 2)
+        assert norm_output - base == T * (K - 1) * H * (4 + 2 + 2)
+        assert both - base == (fc_norm - base) + (norm_output - base)
+
+
 def test_the_kimi_config_fits_96_gb_cards_with_the_full_vocab():
     """configs/kimi-k2.5.yaml: the MLA draft (1.84B trainable with the 163840-token lm_head), FSDP on 8; the planner
     turns gradient checkpointing on for 96 GB cards (the figure the config and README quote) and leaves it off on
