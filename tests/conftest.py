@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import worker_cores
+
 # The reasoning parser that splits the tiny target's `<think>\n...\n</think>\n\n` output.
 TINY_REASONING_PARSER = "deepseek_r1"
 
@@ -43,10 +45,8 @@ def pin_this_worker_to_its_cores() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < count:
         return
-    index = int(worker[2:]) % count
-    per_worker = len(cores) // count
     os.environ["EAGLE3_TEST_ALL_CORES"] = ",".join(map(str, cores))
-    os.sched_setaffinity(0, cores[index * per_worker:(index + 1) * per_worker])
+    os.sched_setaffinity(0, worker_cores(cores, int(worker[2:]) % count, count))
 
 
 pin_this_worker_to_its_cores()

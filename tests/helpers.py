@@ -30,6 +30,12 @@ HIDDEN = 64
 AUX_IDS = [1, 2, 3]
 
 
+def worker_cores(cores: list[int], index: int, count: int) -> list[int]:
+    """The share of `cores` (sorted) that xdist worker `index` of `count` is pinned to: contiguous, equal, disjoint."""
+    per_worker = len(cores) // count
+    return cores[index * per_worker:(index + 1) * per_worker]
+
+
 def write_yaml(path: Path, tree: dict) -> Path:
     path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return path
