@@ -8,6 +8,7 @@ long-context bucket): mean, min and max over the seeds for each draft, and the m
 
     python bench/bench_eagle31.py                               # tiny Llama, seeds 0 1 2: ~30 min on 2 cores
     python bench/bench_eagle31.py --family deepseek_v3          # the Kimi-shaped proxy with the MLA draft
+    python bench/bench_eagle31.py --family smollm2              # SmolLM2 on MT-bench: ~25 min of 04 per draft
     python bench/bench_eagle31.py --seeds 0 --root /tmp/eagle3-bench-31
 
 Each step is skipped when its output is there, so a rerun after a crash goes on where it stopped.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -24,12 +26,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = {"llama": "tiny.yaml", "deepseek_v3": "tiny-deepseek.yaml"}
+CONFIGS = {"llama": "tiny.yaml", "deepseek_v3": "tiny-deepseek.yaml", "smollm2": "smollm2.yaml"}
+# How run_pipeline.py puts each family's target in place: a tiny target built here, or the real one from its package.
+PREPARE = {"llama": "--tiny-target", "deepseek_v3": "--tiny-target", "smollm2": "--real-target"}
+# SmolLM2: the issue's 300 steps (of 2048 tokens: 614k tokens, so 1200 conversations, ~640k tokens, are one pass
+# and 02 extracts no more than 04 reads), and the server's context at the target's 8192 positions so the
+# long-context buckets reach it (512 ... 4096, 7936). Every stage sees the same settings.
+FAMILY_SETS = {"smollm2": ["train.max_steps=300", "data.max_samples=1200", "server.max_model_len=8192"]}
 VARIANTS = {"eagle3": [], "eagle31": ["draft.fc_norm=true", "draft.norm_output=true"]}
-# Every set of the comparison: the config's own, plus unseen system prompts and (where the config has none) the
-# long-context buckets. throughput_repeats 1: acceptance is what is compared here, not tokens/s.
+# Every set of the comparison: the config's own, plus unseen system prompts, another chat template than the
+# target's (built_sets.CHANGED_TEMPLATE) and (where the config has none) the long-context buckets.
+# throughput_repeats 1: acceptance is what is compared here, not tokens/s.
 EXTRA_SETS = ["evaluate.prompt_sets.system_prompts={built: system_prompts}",
-              "evaluate.prompt_sets.long_context={built: long_context}", "evaluate.throughput_repeats=1"]
+              "evaluate.prompt_sets.long_context={built: long_context}",
+              "evaluate.prompt_sets.chat_template={built: chat_template}", "evaluate.throughput_repeats=1"]
 
 
 def run(args: list[str], log: Path) -> None:
@@ -41,16 +51,38 @@ def run(args: list[str], log: Path) -> None:
 
 
 def sets_for(family: str, run_dir: Path, target: Path, *extra: str) -> list[str]:
-    sets = [f"run_dir={run_dir}", f"target.model={target}", *EXTRA_SETS, *extra]
+    sets = [f"run_dir={run_dir}", f"target.model={target}", *EXTRA_SETS, *FAMILY_SETS.get(family, []), *extra]
     return ["--config", str(ROOT / "configs" / CONFIGS[family]), *(a for s in sets for a in ("--set", s))]
 
 
+def link_weights(src: str, dst: str) -> None:
+    """Hard links for the safetensors files (hidden states, target, vocab map: gigabytes for SmolLM2, and no stage
+    writes into one), copies for the rest."""
+    if src.endswith(".safetensors"):
+        os.link(src, dst)
+    else:
+        shutil.copy2(src, dst)
+
+
+def not_carried(base: Path):
+    """copytree's ignore: the base's train/ and eval/ stay behind, but for the target-alone runs run_pipeline measured
+    on its generation server (eval/baseline*.json, keyed to what they measured), which each seed's 05 reuses."""
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        if Path(folder) == base:
+            return [n for n in names if n == "train"]
+        if Path(folder) == base / "eval":
+            return [n for n in names if not (n.startswith("baseline") and n.endswith(".json"))]
+        return []
+    return ignore
+
+
 def train_variant(family: str, base: Path, target: Path, seed: int, variant: str, steps: int | None) -> Path:
-    """A copy of the base run (everything but train/ and eval/) where 04 trains this seed's draft of `variant`."""
+    """A copy of the base run (not_carried) where 04 trains this seed's draft of `variant`."""
     run_dir = base.parent / f"seed{seed}-{variant}"
     if not (run_dir / "train" / "final" / "model.safetensors").is_file():
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.copytree(base, run_dir, ignore=lambda d, names: [n for n in names if Path(d) == base and n in ("train", "eval")])
+        if not (run_dir / "train").is_dir():  # else 04 resumes from its last checkpoint
+            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.copytree(base, run_dir, copy_function=link_weights, ignore=not_carried(base))
         extra = [f"train.seed={seed}", *VARIANTS[variant], *([f"train.max_steps={steps}"] if steps else [])]
         run(["04_train.py", *sets_for(family, run_dir, target, *extra)], base.parent / f"04-seed{seed}-{variant}.log")
     return run_dir / "train" / "final"
@@ -90,7 +122,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     base, target = root / "base", root / "base" / "target"
     if not (base / "vocab" / "vocab_map.safetensors").is_file():
-        run(["run_pipeline.py", *sets_for(args.family, base, target), "--tiny-target", args.family,
+        run(["run_pipeline.py", *sets_for(args.family, base, target), PREPARE[args.family], args.family,
              "--stop-after", "03_build_vocab_map"], root / "base.log")
     per_seed = {}
     for seed in args.seeds:

@@ -275,14 +275,19 @@ class EvaluateConfig:
     other_prompts: Optional[str] = None
     # more prompt sets 05 measures, {name: source}: a local .json/.jsonl/.parquet file or directory, a datasets hub
     # name (split "test"), or {source, subset, split}; rows in the benchmark shapes (common/evaluate/prompt_sets.py);
-    # or a set 05 builds from the eval split: {built: long_context, buckets?, prompts_per_bucket?} or
-    # {built: system_prompts} (common/evaluate/built_sets.py)
+    # or a set 05 builds from the eval split: {built: long_context, buckets?, prompts_per_bucket?},
+    # {built: system_prompts} or {built: chat_template, template?} (common/evaluate/built_sets.py)
     prompt_sets: dict = field(default_factory=dict)
     # also replay vLLM's rounds over the exact outputs vLLM served (loads the target in transformers: for small targets)
     replay_served: bool = False
 
     def __post_init__(self):
         self.prompt_set_specs()  # checked when the config is loaded, not when 05 reaches the set
+
+    def sends_chat_templates(self) -> bool:
+        """Whether a prompt set's requests carry their own chat template (a built chat_template set): vLLM takes one
+        only from a server started with --trust-request-chat-template."""
+        return any(spec.get("built") == "chat_template" for spec in self.prompt_set_specs().values())
 
     def prompt_set_specs(self) -> dict[str, dict]:
         """prompt_sets as {name: {"source", "subset", "split"}} (a built set: {"built", ...}), in name order (the order of a config's keys is not
@@ -311,20 +316,24 @@ class EvaluateConfig:
         return dict(sorted(specs.items()))
 
 
-BUILT_PROMPT_SETS = ("long_context", "system_prompts")  # common/evaluate/built_sets.py makes them
+BUILT_PROMPT_SETS = ("long_context", "system_prompts", "chat_template")  # common/evaluate/built_sets.py makes them
+BUILT_SET_KEYS = {"long_context": {"built", "buckets", "prompts_per_bucket"}, "system_prompts": {"built"},
+                  "chat_template": {"built", "template"}}
 DEFAULT_PROMPTS_PER_BUCKET = 4
 
 
 def built_prompt_set_spec(key: str, spec: dict) -> dict:
-    """A built set as configured ({built, buckets?, prompts_per_bucket?}) -> {"built", "buckets", "prompts_per_bucket"}
-    (the last two for long_context only; buckets None: up to the target's context); else one ConfigError."""
+    """A built set as configured -> {"built", ...}: long_context {"buckets", "prompts_per_bucket"} (buckets None: up
+    to the target's context), chat_template {"template"} (None: built_sets.CHANGED_TEMPLATE); else one ConfigError."""
     kind = spec.get("built")
     if kind not in BUILT_PROMPT_SETS:
         raise ConfigError(f"config key '{key}.built' must be one of {', '.join(BUILT_PROMPT_SETS)}, got {kind!r}")
-    allowed = {"built", "buckets", "prompts_per_bucket"} if kind == "long_context" else {"built"}
+    allowed = BUILT_SET_KEYS[kind]
     if set(spec) - allowed:
         raise ConfigError(f"config key '{key}': a built {kind} set takes {', '.join(sorted(allowed))}, "
                           f"got {', '.join(sorted(set(spec) - allowed))}")
+    if kind == "chat_template":
+        return {"built": kind, "template": checked_template(f"{key}.template", spec.get("template"))}
     if kind != "long_context":
         return {"built": kind}
     buckets, per_bucket = spec.get("buckets"), spec.get("prompts_per_bucket", DEFAULT_PROMPTS_PER_BUCKET)
@@ -336,6 +345,23 @@ def built_prompt_set_spec(key: str, spec: dict) -> dict:
     if not (is_int(per_bucket) and 1 <= per_bucket <= 10_000):
         raise ConfigError(f"config key '{key}.prompts_per_bucket' must be an integer from 1 to 10000, got {per_bucket!r}")
     return {"built": kind, "buckets": buckets, "prompts_per_bucket": per_bucket}
+
+
+def checked_template(key: str, template) -> Optional[str]:
+    """A chat template given in the config: None, or Jinja text that parses (checked at load, not when 05 sends it)."""
+    if template is None:
+        return None
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError(f"config key '{key}' must be a chat template (Jinja text), or left out for the built-in one, "
+                          f"got {template!r}")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"config key '{key}' is not a valid Jinja template (line {e.lineno}: {e.message}); "
+                          f"fix it, or leave it out for the built-in one") from None
+    return template
 
 
 @dataclass

@@ -8,6 +8,7 @@ Configured like every set, under evaluate.prompt_sets (docs: README's config ref
         long_context: {built: long_context}                  # buckets up to the target's context
         long_context: {built: long_context, buckets: [512, 1024, 2048], prompts_per_bucket: 4}
         system_prompts: {built: system_prompts}
+        chat_template: {built: chat_template}                # or {built: chat_template, template: "{% for ... %}"}
 
 long_context    each prompt is a long pasted document, then a question about it, built to a length (in tokens, as
                 the chat template renders it) in each bucket: a bucket's bound B takes prompts of more than the
@@ -23,9 +24,12 @@ system_prompts  the held-out prompts (the first evaluate.num_prompts, as the hel
                 system prompt from SYSTEM_PROMPTS in turn (it replaces a prompt's own); one the training split has
                 (a system turn of data/prompts.jsonl's train rows) is left out and counted. Against the held-out set,
                 the same questions: the difference is the system prompt's.
-                A changed chat template is not part of it: vLLM 0.32 takes a request's chat_template only from a server
-                started with --trust-request-chat-template, and 05's target-alone runs may be measured on 01b's
-                generation server (run_pipeline.py), which is not; so every request uses the target's own template.
+chat_template   the held-out prompts (as the held-out set sends them), each request carrying another chat template
+                than the target's: `template` (Jinja, the variables of a Hugging Face template), or CHANGED_TEMPLATE,
+                plain "### Role:" headers without the target's special tokens. vLLM renders it, and takes a request's
+                template only from a server started with --trust-request-chat-template: every server the pipeline
+                starts for a config with this set has it (evaluate/serve.py's target_server); a server of your own
+                (05 --base-url) needs it too. A template the same as the target's own is refused (nothing changes).
 
 A built set is made from the eval split, never the training split, so it is not checked against the training prompts
 the way a file set is (the held-out set is not either).
@@ -33,6 +37,7 @@ the way a file set is (the held-out set is not either).
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from typing import Optional
 
@@ -69,9 +74,16 @@ DOCUMENT_QUESTIONS = [
 ]
 
 
+# A template of another kind than a chat model's own: plain role headers, none of its special tokens.
+CHANGED_TEMPLATE = ("{% for message in messages %}{{ '### ' ~ (message['role'] | capitalize) ~ ':\\n' ~ message['content'] ~ "
+                    "'\\n\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}")
+
+
 def build_prompt_set(cfg: Config, name: str, key: str, spec: dict, check: ContextCheck) -> PromptSet:
     if spec["built"] == "long_context":
         return long_context_set(cfg, name, key, spec, check)
+    if spec["built"] == "chat_template":
+        return chat_template_set(cfg, name, key, spec, check)
     return system_prompt_set(cfg, name, key, check)
 
 
@@ -237,3 +249,30 @@ def system_prompt_set(cfg: Config, name: str, key: str, check: ContextCheck) -> 
                      rows_read=len(held.prompts), rows_skipped=dict(skipped),
                      built={"kind": "system_prompts", "system_prompts": len(unseen),
                             **({"system_prompts_in_training_left_out": left_out} if left_out else {})})
+
+
+# ----------------------------------------------------------------------------- a changed chat template
+
+
+def chat_template_set(cfg: Config, name: str, key: str, spec: dict, check: ContextCheck) -> PromptSet:
+    """The held-out prompts, each carrying `template` ("chat_template": the request sends it, and the prompt is
+    counted as it renders)."""
+    template = spec["template"] or CHANGED_TEMPLATE
+    own = getattr(check.tokenizer, "chat_template", None)
+    if isinstance(own, str) and own.strip() == template.strip():
+        raise ConfigError(f"config key '{key}.template' is the target's own chat template: the set would measure "
+                          f"nothing the held-out set does not; give another, or leave it out for the built-in one")
+    held = held_out_set(cfg, check)
+    prompts, skipped = [], Counter()
+    for p in held.prompts:
+        messages = first_user_turn(p)
+        if too_long := check.reason(messages, chat_template=template):
+            skipped[too_long] += 1
+        else:
+            prompts.append({"id": f"{name}-{p['id']}", "messages": messages, "chat_template": template})
+    if not prompts:
+        raise DataError(f"{key}: no held-out prompt fits server.max_model_len as the template renders it ({dict(skipped)})")
+    return PromptSet(name, key, f"built: the held-out prompts of {held.source} under another chat template", prompts,
+                     rows_read=len(held.prompts), rows_skipped=dict(skipped),
+                     built={"kind": "chat_template", "template": "built-in" if spec["template"] is None else "config",
+                            "template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16]})

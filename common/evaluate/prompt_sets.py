@@ -263,10 +263,10 @@ def second_turn_prompts(prompts: list[dict], answers: dict[str, str], check: Con
             continue
         messages = [*p["messages"], {"role": "assistant", "content": answers[p["id"]] or ""},
                     {"role": "user", "content": p["later_turns"][0]}]
-        if too_long := check.reason(messages):
+        if too_long := check.reason(messages, p.get("chat_template")):
             left_out[too_long] += 1
         else:
-            kept.append({"id": p["id"], "messages": messages, **({"category": p["category"]} if "category" in p else {})})
+            kept.append({"id": p["id"], "messages": messages, **{k: p[k] for k in ("category", "chat_template") if k in p}})
     return kept, dict(left_out)
 
 

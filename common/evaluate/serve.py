@@ -179,7 +179,8 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
 
     The target runs in target.dtype (float32 for the tiny default), the dtype 02 extracts the
     training features in, unless server.extra_args already sets --dtype; on CPU a float32 MLA
-    target gets the attention backend that runs it (cpu_attention_backend).
+    target gets the attention backend that runs it (cpu_attention_backend). A config with a built
+    chat_template set gets --trust-request-chat-template: those requests carry their own template.
     """
     from common.core import dtype_choice
     from common.serving.vllm_server import VllmServer, cpu_attention_backend
@@ -192,6 +193,8 @@ def target_server(cfg: Config, speculative: Optional[dict] = None, log_path: Opt
     backend = cpu_attention_backend(cfg.target.model, cfg.target.dtype)
     if backend and not given("--attention-backend"):
         extra += ["--attention-backend", backend]
+    if cfg.evaluate.sends_chat_templates() and not given("--trust-request-chat-template"):
+        extra += ["--trust-request-chat-template"]  # a built chat_template set's requests carry their template
     return VllmServer.from_config(cfg, speculative_config=speculative, log_path=log_path, extra_args=extra)
 
 
@@ -204,13 +207,14 @@ def eval_client(cfg: Config, base_url: str):
     return make_client(cfg.generate, base_url, connections=cfg.evaluate.concurrency, blocking=True, max_retries=2)
 
 
-def _chat(cfg: Config, client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One request of common.serving.chat's: evaluate.temperature, generate.extra_body and
-    enable_thinking, and (evaluate.replay_served) the exact token ids the replay on the served outputs needs."""
+def _chat(cfg: Config, client, model: str, prompt: dict, max_tokens: int) -> dict:
+    """One request of common.serving.chat's for a prompt ({"messages", "chat_template"?}): evaluate.temperature,
+    generate.extra_body and enable_thinking, and (evaluate.replay_served) the exact token ids the replay on the
+    served outputs needs."""
     t0 = time.monotonic()
     resp = client.chat.completions.create(**chat_request(
-        cfg.generate, model, messages, max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
-        return_token_ids=cfg.evaluate.replay_served))
+        cfg.generate, model, prompt["messages"], max_tokens=max_tokens, temperature=cfg.evaluate.temperature,
+        return_token_ids=cfg.evaluate.replay_served, chat_template=prompt.get("chat_template")))
     out = parse_completion(resp)
     out["latency_s"] = round(time.monotonic() - t0, 3)
     return out
@@ -225,7 +229,12 @@ def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
 
     client = eval_client(cfg, base_url)
     try:
-        _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0]["messages"], 8)
+        _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0], 8)
+    except openai.BadRequestError as e:
+        hint = ("; a prompt set of these sends its own chat template (a built chat_template set): start the server "
+                "with --trust-request-chat-template" if prompts[0].get("chat_template") else "")
+        raise PipelineError(f"the vLLM server at {base_url} refused the warm-up request ({' '.join(str(e).split())[:200]})"
+                            f"{hint}") from None
     except openai.OpenAIError as e:  # the engine died on its first request (out of memory, a bad draft, ...)
         raise PipelineError(f"the vLLM server at {base_url} failed its warm-up request ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:200]}); it may have died: see its log under run_dir/logs/") from None
@@ -254,7 +263,7 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
     outputs: dict[str, dict] = {}
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=cfg.evaluate.concurrency) as pool:
-        futures = {pool.submit(_chat, cfg, client, model, p["messages"], cfg.evaluate.max_tokens): p["id"] for p in prompts}
+        futures = {pool.submit(_chat, cfg, client, model, p, cfg.evaluate.max_tokens): p["id"] for p in prompts}
         for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, mininterval=1.0):
             try:
                 outputs[futures[fut]] = fut.result()

@@ -76,9 +76,10 @@ def _sha256_json(obj: Any) -> str:
 
 
 def prompts_sha256(prompts: list[dict]) -> str:
-    """What is sent: ids, first turns, and the later turns and categories (a prompt without either: its id and first turn)."""
+    """What is sent: ids, first turns, and the later turns, categories and chat templates (a prompt without any: its
+    id and first turn, hashed as before they were)."""
     def extra(p: dict) -> list:
-        kept = {k: p[k] for k in ("later_turns", "category") if k in p}
+        kept = {k: p[k] for k in ("later_turns", "category", "chat_template") if k in p}
         return [kept] if kept else []
 
     return _sha256_json([[p["id"], p["messages"], *extra(p)] for p in prompts])

@@ -116,15 +116,17 @@ def template_kwargs_of(g: GenerateConfig) -> dict:
 
 
 def chat_request(g: GenerateConfig, model: str, messages: list[dict], *, max_tokens: int, temperature: float,
-                 top_p: Optional[float] = None, return_token_ids: bool = False) -> dict:
+                 top_p: Optional[float] = None, return_token_ids: bool = False, chat_template: Optional[str] = None) -> dict:
     """The keyword arguments of client.chat.completions.create: the one request body of every stage.
 
-    top_p None leaves the server's default; extra_body is request_extra_body (None when empty).
+    top_p None leaves the server's default; extra_body is request_extra_body (None when empty), with chat_template
+    where the request carries its own (vLLM: only on a server started with --trust-request-chat-template).
     """
     request = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
     if top_p is not None:
         request["top_p"] = top_p
-    request["extra_body"] = request_extra_body(g, return_token_ids) or None
+    extra_body = request_extra_body(g, return_token_ids) | ({"chat_template": chat_template} if chat_template else {})
+    request["extra_body"] = extra_body or None
     return request
 
 

@@ -179,16 +179,18 @@ class ContextCheck:
             raise DataError(f"{max_tokens[0]}={max_tokens[1]} is more than server.max_model_len={max_model_len}: vLLM refuses "
                             f"every such request (400); lower {max_tokens[0]} or raise server.max_model_len")
 
-    def length(self, messages: list[dict]) -> int:
-        if getattr(self.tokenizer, "chat_template", None):
-            text = _render(self.tokenizer, _template_messages(messages), True, self.template_kwargs)
+    def length(self, messages: list[dict], chat_template: Optional[str] = None) -> int:
+        """chat_template: the one the request carries, in place of the target's."""
+        if chat_template or getattr(self.tokenizer, "chat_template", None):
+            kwargs = self.template_kwargs | ({"chat_template": chat_template} if chat_template else {})
+            text = _render(self.tokenizer, _template_messages(messages), True, kwargs)
             return len(_encode(self.tokenizer, text))
         return sum(len(_encode(self.tokenizer, str(m.get("content") or ""))) for m in messages)
 
-    def reason(self, messages: list[dict]) -> Optional[str]:
+    def reason(self, messages: list[dict], chat_template: Optional[str] = None) -> Optional[str]:
         """None when the prompt fits; else the counted reason it is left out."""
         try:
-            n = self.length(messages)
+            n = self.length(messages, chat_template)
         except DataError:  # the template refuses this conversation (raise_exception): so would the server
             return "chat_template_error"
         return None if n < self.max_model_len else "over_max_model_len"

@@ -82,16 +82,41 @@ def check_measured(run: Path, out: str) -> dict:
     return report
 
 
+CHAT_TEMPLATE_SET = ("--set", "evaluate.prompt_sets.chat_template={built: chat_template}")
+
+
+def check_chat_template_set(run: Path) -> None:
+    """The held-out prompts under built_sets.CHANGED_TEMPLATE: vLLM's prompt token ids are that template's rendering
+    (not the target's own), the outputs are lossless and the draft is still accepted."""
+    from transformers import AutoTokenizer
+
+    from common.evaluate.built_sets import CHANGED_TEMPLATE
+
+    part = json.loads((run / "eval" / "report.json").read_text())["prompt_sets"]["chat_template"]
+    assert part["num_prompts"] == 31 and part["acceptance_length"] > 1.0, part
+    assert part["outputs"]["identical"] == part["outputs"]["compared"] == 31, part["outputs"]
+    tokenizer = AutoTokenizer.from_pretrained(run / "target")
+    rows = [json.loads(line) for line in (run / "eval" / "outputs-chat_template.jsonl").read_text().splitlines()]
+    assert len(rows) == 31
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["messages"], chat_template=CHANGED_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)
+        assert text.endswith("### Assistant:\n") and "<|im_start|>" not in text
+        assert row["with_draft"]["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], row["id"]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_pipeline_tiny_llama(tmp_path):
     run = tmp_path / "llama"
-    code, out = run_pipeline(run, "--tiny-target", "llama")
+    # plus a built chat_template set: vLLM renders its requests' own template (both servers trust it)
+    code, out = run_pipeline(run, "--tiny-target", "llama", *CHAT_TEMPLATE_SET)
     assert code == 0, out[-5000:]
     check_measured(run, out)
+    check_chat_template_set(run)
     # Rerun: every stage finds its outputs complete, no server is started.
     t0 = time.monotonic()
-    code, out = run_pipeline(run, "--tiny-target", "llama", timeout=600, log_name="rerun")
+    code, out = run_pipeline(run, "--tiny-target", "llama", *CHAT_TEMPLATE_SET, timeout=600, log_name="rerun")
     assert code == 0, out[-5000:]
     assert "starting a vLLM server" not in out
     table = out[out.index("pipeline complete"):]
