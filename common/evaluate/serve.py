@@ -220,6 +220,13 @@ def _chat(cfg: Config, client, model: str, prompt: dict, max_tokens: int) -> dic
     return out
 
 
+def template_hint(prompt: dict) -> str:
+    """What to do when a server refuses a request that carries its own chat template (vLLM answers 400 unless started
+    with --trust-request-chat-template; the servers the pipeline starts have it, one of your own may not)."""
+    return ("; this prompt set sends its own chat template (a built chat_template set): start your vLLM server with "
+            "--trust-request-chat-template, or leave --base-url out so 05 starts one" if prompt.get("chat_template") else "")
+
+
 def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
     """One short request, so that the timed run does not pay for first-request setup.
 
@@ -231,10 +238,8 @@ def warm_up(cfg: Config, base_url: str, prompts: list[dict]) -> None:
     try:
         _chat(cfg, client, cfg.generate.model or served_model(client), prompts[0], 8)
     except openai.BadRequestError as e:
-        hint = ("; a prompt set of these sends its own chat template (a built chat_template set): start the server "
-                "with --trust-request-chat-template" if prompts[0].get("chat_template") else "")
         raise PipelineError(f"the vLLM server at {base_url} refused the warm-up request ({' '.join(str(e).split())[:200]})"
-                            f"{hint}") from None
+                            f"{template_hint(prompts[0])}") from None
     except openai.OpenAIError as e:  # the engine died on its first request (out of memory, a bad draft, ...)
         raise PipelineError(f"the vLLM server at {base_url} failed its warm-up request ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:200]}); it may have died: see its log under run_dir/logs/") from None
@@ -268,9 +273,11 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
             try:
                 outputs[futures[fut]] = fut.result()
             except openai.OpenAIError as e:
+                prompt = next(p for p in prompts if p["id"] == futures[fut])
+                why = template_hint(prompt) if isinstance(e, openai.BadRequestError) else ""
                 raise PipelineError(
-                    f"request for prompt {futures[fut]} to {base_url} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
-                    "see the vLLM server log under run_dir/logs/"
+                    f"request for prompt {futures[fut]} to {base_url} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                    f"{why or '; see the vLLM server log under run_dir/logs/'}"
                 ) from None
     wall = time.monotonic() - t0
     tokens = sum(int(o["usage"].get("completion_tokens", 0)) for o in outputs.values())

@@ -4,19 +4,21 @@ server of test_evaluate.py; the real vLLM renders it in tests/pipeline/test_e2e.
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
 from common.core.config import config_from_dict
-from common.core.errors import ConfigError
+from common.core.errors import ConfigError, PipelineError
 from common.core.run_folder import HELD_OUT
 from common.evaluate.serve import target_server as real_target_server  # before run_env swaps it for a fake
 from common.evaluate import stage as evaluate
 from common.evaluate.built_sets import CHANGED_TEMPLATE
 from common.evaluate.prompt_sets import context_check, load_prompt_set
 from common.serving import vllm_server
-from tests.evaluate.test_evaluate import run_env  # noqa: F401 (a fixture)
+from tests.evaluate.test_evaluate import run_env, serve_fakes  # noqa: F401 (run_env: a fixture)
+from tests.helpers import FakeVllm
 
 
 def with_sets(cfg, prompt_sets: dict):
@@ -82,3 +84,30 @@ def test_bad_templates_are_one_config_error(run_env):
     cfg = with_sets(run_env.cfg, {"tpl": {"built": "chat_template", "template": own}})
     with pytest.raises(ConfigError, match=r"is the target's own chat template"):
         load_prompt_set(cfg, "tpl")
+
+
+class UntrustingVllm(FakeVllm):
+    """A server started without --trust-request-chat-template: vLLM 0.32's 400 for a request that carries a template."""
+
+    def handle(self, request, method):
+        if method == "POST":
+            body = json.loads(request.rfile.read(int(request.headers["Content-Length"])))
+            if "chat_template" in body:
+                self.reply(request, 400, {"error": {"message": "Chat template is passed with request, but "
+                           "--trust-request-chat-template is not set. Refused request with untrusted chat template.",
+                           "type": "BadRequestError", "code": 400}})
+                return
+            request.rfile = io.BytesIO(json.dumps(body).encode())
+            request.headers.replace_header("Content-Length", str(len(request.rfile.getvalue())))
+        super().handle(request, method)
+
+
+def test_a_server_that_does_not_trust_request_templates_is_one_line_saying_so(run_env, monkeypatch):
+    cfg = with_sets(run_env.cfg, {"tpl": {"built": "chat_template"}})
+    serve_fakes(run_env, monkeypatch, lambda speculative: UntrustingVllm(with_draft=speculative is not None))
+    with pytest.raises(PipelineError) as e:
+        evaluate.run_stage(cfg)
+    said = str(e.value)
+    assert "request for prompt tpl-p1" in said and "Refused request with untrusted chat template" in said, said
+    assert "start your vLLM server with --trust-request-chat-template, or leave --base-url out" in said, said
+    assert "\n" not in said
