@@ -56,7 +56,7 @@ def test_held_out_questions_are_sent_under_another_template_and_counted_as_it_re
     assert "prompt set tpl (4 prompts)" in capsys.readouterr().out
 
 
-def test_a_configured_template_is_sent_and_the_servers_trust_request_templates(run_env, monkeypatch):
+def test_a_configured_template_is_carried_by_every_prompt_and_the_servers_trust_request_templates(run_env, monkeypatch):
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
     cfg = with_sets(run_env.cfg, {"tpl": {"built": "chat_template", "template": template}})
     s = load_prompt_set(cfg, "tpl")
