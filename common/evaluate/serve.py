@@ -268,15 +268,15 @@ def run_prompts(cfg: Config, base_url: str, prompts: list[dict], desc: str = "ev
     outputs: dict[str, dict] = {}
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=cfg.evaluate.concurrency) as pool:
-        futures = {pool.submit(_chat, cfg, client, model, p, cfg.evaluate.max_tokens): p["id"] for p in prompts}
+        futures = {pool.submit(_chat, cfg, client, model, p, cfg.evaluate.max_tokens): p for p in prompts}
         for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, mininterval=1.0):
+            prompt = futures[fut]
             try:
-                outputs[futures[fut]] = fut.result()
+                outputs[prompt["id"]] = fut.result()
             except openai.OpenAIError as e:
-                prompt = next(p for p in prompts if p["id"] == futures[fut])
                 why = template_hint(prompt) if isinstance(e, openai.BadRequestError) else ""
                 raise PipelineError(
-                    f"request for prompt {futures[fut]} to {base_url} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                    f"request for prompt {prompt['id']} to {base_url} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
                     f"{why or '; see the vLLM server log under run_dir/logs/'}"
                 ) from None
     wall = time.monotonic() - t0
